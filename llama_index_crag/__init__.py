@@ -1,0 +1,23 @@
+"""Corrective RAG for LlamaIndex: grade retrieval, then refine, fall back, rewrite or abstain."""
+
+from llama_index_crag.engine import CorrectiveQueryEngine, GenerationError, InvalidQueryError
+from llama_index_crag.fallback import FallbackRetriever
+from llama_index_crag.grader import Grading, RelevanceGrader, Verdict
+from llama_index_crag.refiner import StripRefiner
+from llama_index_crag.rewrite import QueryRewriter, RewriteError, RewrittenQuery
+from llama_index_crag.settings import CragSettings
+
+__all__ = [
+    "CorrectiveQueryEngine",
+    "CragSettings",
+    "FallbackRetriever",
+    "GenerationError",
+    "Grading",
+    "InvalidQueryError",
+    "QueryRewriter",
+    "RelevanceGrader",
+    "RewriteError",
+    "RewrittenQuery",
+    "StripRefiner",
+    "Verdict",
+]

@@ -1,0 +1,60 @@
+"""Question sets in the shared format: ``corpus.jsonl`` and ``questions.jsonl`` in one folder."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, List
+
+from llama_index.core.schema import Document
+
+SAMPLE_DIR = Path(__file__).parent / "data"
+
+
+@dataclass(frozen=True)
+class Question:
+    """One labelled question: ``answerable`` False means the corpus cannot answer it."""
+
+    qid: str
+    question: str
+    answers: List[str] = field(default_factory=list)
+    answerable: bool = True
+    relevant_doc_ids: List[str] = field(default_factory=list)
+
+
+def _lines(path: Path) -> Iterator[dict]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: a dataset folder holds corpus.jsonl and questions.jsonl")
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number} is not valid JSON: {exc}") from exc
+
+
+def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
+    """The corpus as LlamaIndex documents, ``doc_id`` as both id and metadata."""
+    documents = []
+    for row in _lines(Path(folder) / "corpus.jsonl"):
+        metadata = {"doc_id": row["doc_id"]}
+        if row.get("title"):
+            metadata["title"] = row["title"]
+        documents.append(Document(text=row["text"], id_=row["doc_id"], metadata=metadata))
+    return documents
+
+
+def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
+    """The labelled questions (SciFact's ``claim`` is read as the question)."""
+    return [
+        Question(
+            qid=str(row["qid"]),
+            question=row.get("question") or row["claim"],
+            answers=list(row.get("answers", [])),
+            answerable=bool(row.get("answerable", True)),
+            relevant_doc_ids=[str(d) for d in row.get("relevant_doc_ids", [])],
+        )
+        for row in _lines(Path(folder) / "questions.jsonl")
+    ]

@@ -1,0 +1,486 @@
+"""CorrectiveQueryEngine: retrieve, grade, then generate, refine, fall back or abstain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Dict, Generator, List, Optional, Sequence
+
+from llama_index.core.base.base_query_engine import BaseQueryEngine
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.base.response.schema import (
+    RESPONSE_TYPE,
+    AsyncStreamingResponse,
+    Response,
+    StreamingResponse,
+)
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.indices.base import BaseIndex
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.llms import LLM
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.prompts.mixin import PromptMixinType
+from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
+from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
+from llama_index.core.settings import Settings
+
+from llama_index_crag.fallback import SOURCE_KEY, FallbackRetriever
+from llama_index_crag.grader import Grading, RelevanceGrader, Verdict
+from llama_index_crag.refiner import StripRefiner
+from llama_index_crag.rewrite import QueryRewriter, RewriteError
+from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.settings import CragSettings
+from llama_index_crag.trace import CragTrace, NodeGrade
+
+dispatcher = get_dispatcher(__name__)
+
+
+class InvalidQueryError(ValueError):
+    """The query cannot be answered as given (empty, or longer than ``max_query_chars``)."""
+
+
+class GenerationError(RuntimeError):
+    """The generator LLM failed; the message names the model and, where it has one, its server."""
+
+
+def describe_llm(llm: Any) -> str:
+    """A short name for an LLM that says where it runs (its server URL when it has one)."""
+    name = getattr(llm, "model", None) or llm.class_name()
+    base_url = getattr(llm, "base_url", None)
+    return f"{name} at {base_url}" if base_url else str(name)
+
+
+@dataclass
+class _Io:
+    """One piece of I/O the loop hands to a driver: how to do it sync and async, and its time limit."""
+
+    run: Callable[[], Any]
+    arun: Callable[[], Awaitable[Any]]
+    timeout_s: Optional[float] = None
+
+
+class CorrectiveTimeout(TimeoutError):
+    """A step of the correction path ran past what was left of its time budget."""
+
+
+_Loop = Generator[_Io, Any, Any]
+
+
+class CorrectiveQueryEngine(BaseQueryEngine):
+    """A query engine that grades retrieval before generating, and corrects or abstains.
+
+    The loop (see ``docs/loop.md``): retrieve; grade every candidate; then
+
+    * CORRECT: generate from the candidates not graded incorrect (no added model call);
+    * AMBIGUOUS: refine the candidates into their relevant knowledge strips, and
+      optionally add graded fallback results (``hybrid``);
+    * INCORRECT: rewrite the query (at most ``max_rewrites`` times), retrieve through
+      the ``FallbackRetriever``, grade again against the user's question, and use the
+      result if it clears ``lower``, else abstain.
+
+    Every failure of the correction path ends in an abstention, never in an answer.
+    The decision trace is in ``response.metadata["crag"]``. The sync and async paths
+    run the same loop (``_loop``); only the driver that performs its I/O differs.
+
+    Args:
+        retriever: Any LlamaIndex retriever.
+        grader: Scores and bands the candidates.
+        refiner: Knowledge-strip refinement for AMBIGUOUS.
+        fallback: The retrieval of the INCORRECT branch (and of ``hybrid``).
+        rewriter: The query rewrite of the INCORRECT branch.
+        response_synthesizer: The stock synthesizer that generates the answer.
+        settings: Resolved settings (see ``CragSettings.resolve``).
+        node_postprocessors: Run after retrieval and before grading (e.g. a reranker
+            whose scores the grader reuses).
+    """
+
+    def __init__(
+        self,
+        retriever: BaseRetriever,
+        grader: RelevanceGrader,
+        refiner: StripRefiner,
+        fallback: Optional[BaseRetriever],
+        rewriter: Optional[QueryRewriter],
+        response_synthesizer: BaseSynthesizer,
+        settings: CragSettings,
+        node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
+        callback_manager: Optional[CallbackManager] = None,
+    ) -> None:
+        self._retriever = retriever
+        self._grader = grader
+        self._refiner = refiner
+        self._fallback = fallback
+        self._rewriter = rewriter
+        self._synthesizer = response_synthesizer
+        self._postprocessors = list(node_postprocessors or [])
+        self.settings = settings
+        super().__init__(callback_manager=callback_manager or response_synthesizer.callback_manager)
+
+    @classmethod
+    def from_defaults(
+        cls,
+        index: Optional[BaseIndex] = None,
+        retriever: Optional[BaseRetriever] = None,
+        nodes: Optional[Sequence[BaseNode]] = None,
+        llm: Optional[LLM] = None,
+        scorer: Optional[RelevanceScorer] = None,
+        embed_model: Optional[BaseEmbedding] = None,
+        node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
+        response_synthesizer: Optional[BaseSynthesizer] = None,
+        response_mode: ResponseMode = ResponseMode.COMPACT,
+        streaming: bool = False,
+        fallback: Optional[BaseRetriever] = None,
+        fallback_sources: Sequence[str] = ("bm25", "sentence_window"),
+        calibration_path: Optional[str] = None,
+        callback_manager: Optional[CallbackManager] = None,
+        **settings: Any,
+    ) -> "CorrectiveQueryEngine":
+        """Build the engine around what the user already has.
+
+        Give an ``index``, a ``retriever`` or ``nodes`` (an in-memory vector index is
+        built over them). The fallback retriever is built over the same nodes (taken
+        from ``nodes`` or the index's docstore); with no nodes at hand (a remote vector
+        store), the rewritten query goes back through the primary retriever.
+
+        ``scorer`` defaults to the offline bi-encoder on the bundled MiniLM. Any keyword
+        of ``CragSettings`` (``upper``, ``lower``, ``max_rewrites``, ``enabled`` ...)
+        may be passed; it wins over ``CRAG_*`` variables and the calibration file.
+        """
+        llm = llm or _settings_llm()
+        unknown = set(settings) - set(CragSettings.model_fields)
+        if unknown:
+            raise TypeError(f"unknown settings {sorted(unknown)}; see CragSettings for the names")
+        if scorer is None:
+            from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
+
+            scorer = BiEncoderScorer(embed_model)
+        resolved = CragSettings.resolve(
+            settings,
+            calibration_path=calibration_path,
+            scorer_name=scorer.name,
+            scorer_defaults=getattr(scorer, "default_thresholds", None),
+        )
+        if index is None and retriever is None:
+            if nodes is None:
+                raise ValueError("give the engine something to search: index=, retriever= or nodes=")
+            from llama_index.core import VectorStoreIndex
+
+            from llama_index_crag.models import default_embed_model
+
+            index = VectorStoreIndex(list(nodes), embed_model=embed_model or default_embed_model())
+        if retriever is None:
+            assert index is not None
+            retriever = index.as_retriever(similarity_top_k=resolved.similarity_top_k)
+        if nodes is None and index is not None:
+            nodes = list(index.docstore.docs.values())
+        if fallback is None:
+            if nodes and any(n.get_content().strip() for n in nodes):
+                fallback = FallbackRetriever.from_nodes(
+                    nodes, sources=fallback_sources, similarity_top_k=resolved.similarity_top_k, embed_model=embed_model
+                )
+            else:
+                fallback = FallbackRetriever({"primary": retriever}, similarity_top_k=resolved.similarity_top_k)
+        synthesizer = response_synthesizer or get_response_synthesizer(
+            llm=llm, response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
+        )
+        return cls(
+            retriever=retriever,
+            grader=RelevanceGrader(
+                scorer,
+                upper=resolved.upper,
+                lower=resolved.lower,
+                aggregation=resolved.aggregation,
+                min_relevant=resolved.min_relevant,
+            ),
+            refiner=StripRefiner(scorer, threshold=resolved.lower, strip_min_tokens=resolved.strip_min_tokens),
+            fallback=fallback,
+            rewriter=QueryRewriter(llm),
+            response_synthesizer=synthesizer,
+            settings=resolved,
+            node_postprocessors=node_postprocessors,
+            callback_manager=callback_manager,
+        )
+
+    @property
+    def grader(self) -> RelevanceGrader:
+        """The grader that routes each query."""
+        return self._grader
+
+    @property
+    def retriever(self) -> BaseRetriever:
+        """The primary retriever."""
+        return self._retriever
+
+    def _get_prompt_modules(self) -> PromptMixinType:
+        return {"response_synthesizer": self._synthesizer}
+
+    @dispatcher.span
+    def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
+        loop = self._loop(query_bundle, is_async=False)
+        value: Any = None
+        error: Optional[BaseException] = None
+        while True:
+            try:
+                step = loop.throw(error) if error is not None else loop.send(value)
+            except StopIteration as done:
+                return done.value
+            value, error = None, None
+            try:
+                value = _run_with_timeout(step.run, step.timeout_s)
+            except Exception as exc:
+                error = exc
+
+    @dispatcher.span
+    async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
+        loop = self._loop(query_bundle, is_async=True)
+        value: Any = None
+        error: Optional[BaseException] = None
+        while True:
+            try:
+                step = loop.throw(error) if error is not None else loop.send(value)
+            except StopIteration as done:
+                return done.value
+            value, error = None, None
+            try:
+                if step.timeout_s is None:
+                    value = await step.arun()
+                else:
+                    value = await asyncio.wait_for(step.arun(), max(step.timeout_s, 0.0))
+            except asyncio.TimeoutError:
+                error = CorrectiveTimeout()
+            except Exception as exc:
+                error = exc
+
+    def _loop(self, query_bundle: QueryBundle, is_async: bool) -> _Loop:
+        """The corrective loop for one query; yields its I/O to the sync or async driver."""
+        _check_query(query_bundle, self.settings.max_query_chars)
+        s = self.settings
+        trace = CragTrace(
+            query=query_bundle.query_str,
+            enabled=s.enabled,
+            scorer=self._grader.scorer.name,
+            upper=self._grader.upper,
+            lower=self._grader.lower,
+            aggregation=self._grader.aggregation,
+        )
+        with trace.timed("retrieve"):
+            nodes = yield _Io(
+                lambda: self._retriever.retrieve(query_bundle), lambda: self._retriever.aretrieve(query_bundle)
+            )
+        for postprocessor in self._postprocessors:
+            with trace.timed("rerank"):
+                nodes = yield _Io(
+                    _bind(postprocessor.postprocess_nodes, nodes, query_bundle),
+                    _bind(postprocessor.apostprocess_nodes, nodes, query_bundle),
+                )
+
+        context: List[NodeWithScore] = nodes
+        if s.enabled:
+            with trace.timed("grade"):
+                grading = yield _Io(
+                    _bind(self._grader.grade, query_bundle, nodes), _bind(self._grader.agrade, query_bundle, nodes)
+                )
+            _record(trace, nodes, grading)
+            trace.action = grading.verdict.value
+            if grading.verdict is Verdict.CORRECT:
+                context = _not_incorrect(nodes, grading)
+            elif grading.verdict is Verdict.AMBIGUOUS:
+                context = yield from self._refine(query_bundle, nodes, grading, trace)
+            else:
+                context = yield from self._correct(query_bundle, trace)
+        if not context and not trace.abstained:
+            trace.abstain("no candidate passage survived retrieval and grading")
+
+        if trace.abstained:
+            response = _abstention(s.abstain_text, bool(getattr(self._synthesizer, "_streaming", False)), is_async)
+        else:
+            with trace.timed("generate"):
+                try:
+                    response = yield _Io(
+                        _bind(self._synthesizer.synthesize, query_bundle, context),
+                        _bind(self._synthesizer.asynthesize, query_bundle, context),
+                    )
+                except Exception as exc:
+                    llm = getattr(self._synthesizer, "_llm", None)
+                    raise GenerationError(
+                        f"the generator {describe_llm(llm) if llm is not None else ''} failed: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+        response.metadata = {**(response.metadata or {}), "crag": trace.to_dict()}
+        dispatcher.event(trace.publish())
+        return response
+
+    def _refine(
+        self, query_bundle: QueryBundle, nodes: List[NodeWithScore], grading: Grading, trace: CragTrace
+    ) -> Generator[_Io, Any, List[NodeWithScore]]:
+        """AMBIGUOUS: keep the relevant strips of the candidates, optionally add fallback hits."""
+        candidates = _not_incorrect(nodes, grading) or nodes
+        with trace.timed("refine"):
+            refinement = yield _Io(
+                _bind(self._refiner.refine, query_bundle, candidates),
+                _bind(self._refiner.arefine, query_bundle, candidates),
+            )
+        trace.strips_kept, trace.strips_dropped = refinement.kept, refinement.dropped
+        context = list(refinement.nodes)
+        if self.settings.hybrid and self._fallback is not None:
+            deadline = time.monotonic() + self.settings.correction_timeout_s
+            try:
+                context += yield from self._fallback_hits(query_bundle, query_bundle, deadline, trace)
+            except Exception as exc:
+                trace.fallback_error = f"{type(exc).__name__}: {exc}"
+        return context
+
+    def _correct(self, query_bundle: QueryBundle, trace: CragTrace) -> Generator[_Io, Any, List[NodeWithScore]]:
+        """INCORRECT: rewrite (capped), retrieve through the fallback, grade again, or abstain."""
+        s = self.settings
+        deadline = time.monotonic() + s.correction_timeout_s
+        if self._fallback is None:
+            trace.abstain("retrieval graded incorrect and no fallback retriever is configured")
+            return []
+        search = query_bundle.query_str
+        for attempt in range(max(1, s.max_rewrites)):
+            if s.max_rewrites > 0 and self._rewriter is not None:
+                rewriter = self._rewriter
+                try:
+                    with trace.timed("rewrite"):
+                        search = yield _Io(
+                            _bind(rewriter.rewrite, search), _bind(rewriter.arewrite, search), _left(deadline)
+                        )
+                except RewriteError as exc:
+                    trace.rewrite_error = str(exc)
+                    trace.abstain(f"the query rewrite failed: {exc}")
+                    return []
+                except CorrectiveTimeout:
+                    trace.abstain(f"the query rewrite ran past the {s.correction_timeout_s:g} s correction budget")
+                    return []
+                trace.rewrites = attempt + 1
+                trace.rewritten_query = search
+            try:
+                hits = yield from self._fallback_hits(query_bundle, QueryBundle(search), deadline, trace)
+            except CorrectiveTimeout:
+                trace.abstain(f"the fallback retrieval ran past the {s.correction_timeout_s:g} s correction budget")
+                return []
+            except Exception as exc:
+                trace.fallback_error = f"{type(exc).__name__}: {exc}"
+                trace.abstain(f"the fallback retrieval failed: {trace.fallback_error}")
+                return []
+            if hits:
+                return hits
+        trace.abstain(
+            f"after {trace.rewrites} rewrite(s) the fallback's best score "
+            f"{trace.retry_score or 0.0:.3f} is still below lower={self._grader.lower:.3f}"
+        )
+        return []
+
+    def _fallback_hits(
+        self, question: QueryBundle, search: QueryBundle, deadline: float, trace: CragTrace
+    ) -> Generator[_Io, Any, List[NodeWithScore]]:
+        """Retrieve ``search`` through the fallback and keep what grades relevant to ``question``."""
+        fallback = self._fallback
+        assert fallback is not None
+        with trace.timed("fallback"):
+            hits = yield _Io(_bind(fallback.retrieve, search), _bind(fallback.aretrieve, search), _left(deadline))
+        trace.fallback_sources = sorted({h.node.metadata.get(SOURCE_KEY, "fallback") for h in hits})
+        with trace.timed("regrade"):
+            grading = yield _Io(
+                _bind(self._grader.grade, question, hits), _bind(self._grader.agrade, question, hits), _left(deadline)
+            )
+        _record(trace, hits, grading)
+        trace.retry_score = grading.aggregate
+        if grading.verdict is Verdict.INCORRECT:
+            return []
+        return _not_incorrect(hits, grading)
+
+
+def _settings_llm() -> LLM:
+    llm = getattr(Settings, "_llm", None)
+    if llm is None:
+        raise ValueError(
+            "CorrectiveQueryEngine needs an LLM: pass llm=Ollama(model=..., context_window=...) "
+            "or llm=llama_index_crag.models.default_llm()[0], or set Settings.llm"
+        )
+    return llm
+
+
+def _check_query(query_bundle: QueryBundle, max_chars: int) -> None:
+    if not query_bundle.query_str or not query_bundle.query_str.strip():
+        raise InvalidQueryError("the query is empty: ask a question")
+    if len(query_bundle.query_str) > max_chars:
+        raise InvalidQueryError(
+            f"the query is {len(query_bundle.query_str):,} characters, over the limit of {max_chars:,} "
+            "(raise max_query_chars or CRAG_MAX_QUERY_CHARS if this is intended)"
+        )
+
+
+def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    return lambda: fn(*args)
+
+
+def _left(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def _not_incorrect(nodes: List[NodeWithScore], grading: Grading) -> List[NodeWithScore]:
+    return [
+        NodeWithScore(node=n.node, score=score)
+        for n, score, label in zip(nodes, grading.scores, grading.labels)
+        if label is not Verdict.INCORRECT
+    ]
+
+
+def _record(trace: CragTrace, nodes: Sequence[NodeWithScore], grading: Grading) -> None:
+    first = not trace.nodes
+    trace.nodes.extend(
+        NodeGrade(
+            node_id=n.node.node_id,
+            score=round(score, 4),
+            label=label.value,
+            source=n.node.metadata.get(SOURCE_KEY, "retriever"),
+        )
+        for n, score, label in zip(nodes, grading.scores, grading.labels)
+    )
+    if first:
+        trace.aggregate_score = round(grading.aggregate, 4)
+        trace.top_score = round(grading.top_score, 4)
+
+
+def _abstention(text: str, streaming: bool, is_async: bool) -> RESPONSE_TYPE:
+    if not streaming:
+        return Response(response=text, source_nodes=[])
+    if is_async:
+
+        async def once() -> Any:
+            yield text
+
+        return AsyncStreamingResponse(response_gen=once(), source_nodes=[])
+    return StreamingResponse(response_gen=iter([text]), source_nodes=[], response_txt=None)
+
+
+def _run_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float]) -> Any:
+    """Run ``fn``; with a limit, in a daemon thread that is abandoned when the limit passes."""
+    if timeout_s is None:
+        return fn()
+    if timeout_s <= 0:
+        raise CorrectiveTimeout()
+    outcome: Dict[str, Any] = {}
+    finished = threading.Event()
+    context = contextvars.copy_context()
+
+    def target() -> None:
+        try:
+            outcome["value"] = context.run(fn)
+        except BaseException as exc:  # handed to the caller below
+            outcome["error"] = exc
+        finally:
+            finished.set()
+
+    threading.Thread(target=target, daemon=True, name="crag-correction").start()
+    if not finished.wait(timeout_s):
+        raise CorrectiveTimeout()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

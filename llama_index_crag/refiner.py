@@ -1,0 +1,160 @@
+"""StripRefiner: decompose chunks into knowledge strips, re-score them, recompose the relevant ones."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import NodeRelationship, NodeWithScore, QueryBundle, TextNode
+
+from llama_index_crag.scorers.base import RelevanceScorer
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$")
+
+
+@dataclass(frozen=True)
+class Strip:
+    """One knowledge strip: a sentence window, or a whole table or code block."""
+
+    text: str
+    whole_block: bool = False
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """What the refiner kept: recomposed nodes plus the strip counts for the trace."""
+
+    nodes: List[NodeWithScore]
+    kept: int
+    dropped: int
+    used_original: bool
+
+
+def decompose(text: str, min_tokens: int) -> List[Strip]:
+    """Split a chunk into strips in document order.
+
+    Tables and fenced code are single strips (splitting them destroys their meaning).
+    Prose is split into sentences, and a sentence shorter than ``min_tokens`` words is
+    merged with its neighbour, so no strip is too short to support a citation. A chunk
+    that yields one strip comes back whole.
+    """
+    strips: List[Strip] = []
+    prose: List[str] = []
+    lines = text.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if _FENCE.match(line):
+            end = i + 1
+            while end < len(lines) and not _FENCE.match(lines[end]):
+                end += 1
+            block, i = lines[i : end + 1], end + 1
+        elif _TABLE_ROW.match(line):
+            end = i
+            while end < len(lines) and _TABLE_ROW.match(lines[end]):
+                end += 1
+            block, i = lines[i:end], end
+        else:
+            prose.append(line)
+            i += 1
+            continue
+        strips.extend(_prose_strips("".join(prose), min_tokens))
+        prose = []
+        strips.append(Strip("".join(block).strip(), whole_block=True))
+    strips.extend(_prose_strips("".join(prose), min_tokens))
+    return strips
+
+
+def _prose_strips(text: str, min_tokens: int) -> List[Strip]:
+    if not text.strip():
+        return []
+    sentences = [s.strip() for s in split_by_sentence_tokenizer()(text) if s.strip()]
+    merged: List[str] = []
+    pending = ""
+    for sentence in sentences:
+        pending = f"{pending} {sentence}".strip()
+        if len(pending.split()) >= min_tokens:
+            merged.append(pending)
+            pending = ""
+    if pending:
+        if merged:
+            merged[-1] = f"{merged[-1]} {pending}"
+        else:
+            merged.append(pending)
+    return [Strip(s) for s in merged]
+
+
+class StripRefiner(BaseNodePostprocessor):
+    """Knowledge refinement for the AMBIGUOUS band (CRAG's decompose-then-recompose).
+
+    Each node is split into strips (see ``decompose``), every strip is scored against
+    the query with the grader's scorer in one batch, strips scoring at least
+    ``threshold`` are kept, and each node's kept strips are joined in their original
+    order into a new node that points back to its source. If no strip survives, the
+    original nodes are returned unchanged: the original ranking beats nothing.
+    """
+
+    threshold: float = Field(ge=0.0, le=1.0, description="Strips scoring at least this are kept.")
+    strip_min_tokens: int = Field(default=8, ge=1, description="Shortest strip in words; shorter sentences are merged.")
+    _scorer: RelevanceScorer = PrivateAttr()
+
+    def __init__(self, scorer: RelevanceScorer, threshold: float, strip_min_tokens: int = 8, **kwargs: Any) -> None:
+        super().__init__(threshold=threshold, strip_min_tokens=strip_min_tokens, **kwargs)
+        self._scorer = scorer
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "StripRefiner"
+
+    def refine(self, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]) -> Refinement:
+        """Decompose, re-score and recompose ``nodes`` for ``query_bundle``."""
+        per_node = [decompose(n.node.get_content(), self.strip_min_tokens) for n in nodes]
+        flat = [strip.text for strips in per_node for strip in strips]
+        scores = self._scorer.score_texts(query_bundle.query_str, flat) if flat else []
+        refined: List[NodeWithScore] = []
+        kept = 0
+        cursor = 0
+        for source, strips in zip(nodes, per_node):
+            strip_scores = scores[cursor : cursor + len(strips)]
+            cursor += len(strips)
+            chosen = [(s, score) for s, score in zip(strips, strip_scores) if score >= self.threshold]
+            if not chosen:
+                continue
+            kept += len(chosen)
+            refined.append(_recompose(source, chosen))
+        if not refined:
+            return Refinement(nodes=list(nodes), kept=0, dropped=len(flat), used_original=True)
+        return Refinement(nodes=refined, kept=kept, dropped=len(flat) - kept, used_original=False)
+
+    async def arefine(self, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]) -> Refinement:
+        """``refine`` off the event loop (scoring is CPU-bound)."""
+        return await asyncio.to_thread(self.refine, query_bundle, nodes)
+
+    def _postprocess_nodes(
+        self, nodes: List[NodeWithScore], query_bundle: Optional[QueryBundle] = None
+    ) -> List[NodeWithScore]:
+        if query_bundle is None:
+            raise ValueError("StripRefiner needs the query: pass query_bundle or query_str")
+        return self.refine(query_bundle, nodes).nodes
+
+
+def _recompose(source: NodeWithScore, chosen: List[tuple[Strip, float]]) -> NodeWithScore:
+    original = source.node
+    if len(chosen) == 1 and chosen[0][0].text == original.get_content().strip():
+        return NodeWithScore(node=original, score=chosen[0][1])
+    text = "\n".join(strip.text for strip, _ in chosen)
+    node = TextNode(
+        id_=f"{original.node_id}#strips",
+        text=text,
+        metadata=dict(original.metadata),
+        excluded_embed_metadata_keys=list(original.excluded_embed_metadata_keys),
+        excluded_llm_metadata_keys=list(original.excluded_llm_metadata_keys),
+        relationships={NodeRelationship.SOURCE: original.as_related_node_info()},
+    )
+    return NodeWithScore(node=node, score=max(score for _, score in chosen))

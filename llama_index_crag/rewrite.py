@@ -1,0 +1,73 @@
+"""The capped, schema-bound query rewrite of the INCORRECT branch."""
+
+from __future__ import annotations
+
+from llama_index.core.bridge.pydantic import BaseModel, Field
+from llama_index.core.llms import LLM
+from llama_index.core.prompts import PromptTemplate
+
+DEFAULT_REWRITE_PROMPT = PromptTemplate(
+    "You rewrite search queries so that a document search finds the passages that answer them.\n"
+    "Expand abbreviations, add the full names of the people, products and organisations the query "
+    "refers to, keep its meaning and its language. Do not answer the question.\n"
+    "Reply with JSON only, in the form {{\"query\": \"...\"}}.\n"
+    "Query: {query}\n"
+)
+
+
+class RewrittenQuery(BaseModel):
+    """A search query rewritten for better retrieval."""
+
+    query: str = Field(description="The rewritten search query, in the language of the original.")
+
+
+class RewriteError(RuntimeError):
+    """The rewrite failed; the engine abstains and records ``str(error)`` as the reason."""
+
+
+class QueryRewriter:
+    """Rewrites a query once through the LLM's structured output (``RewrittenQuery``).
+
+    Any failure raises ``RewriteError`` with a reason: the call raised, the output was
+    not valid JSON for the schema, the rewrite was empty, or it returned the query
+    unchanged (retrying the same query cannot change the result).
+
+    Args:
+        llm: The LLM to rewrite with (the engine's generator by default).
+        prompt: A template with a ``{query}`` variable.
+    """
+
+    def __init__(self, llm: LLM, prompt: PromptTemplate = DEFAULT_REWRITE_PROMPT) -> None:
+        self.llm = llm
+        self.prompt = prompt
+
+    def rewrite(self, query: str) -> str:
+        """Return the rewritten query or raise ``RewriteError``."""
+        try:
+            result = self.llm.structured_predict(RewrittenQuery, self.prompt, query=query)
+        except ValueError as exc:
+            raise RewriteError(f"the rewrite was not valid JSON for the schema: {exc}") from exc
+        except Exception as exc:
+            raise RewriteError(f"the rewrite call failed: {type(exc).__name__}: {exc}") from exc
+        return _checked(query, result)
+
+    async def arewrite(self, query: str) -> str:
+        """Async ``rewrite``: awaits the LLM."""
+        try:
+            result = await self.llm.astructured_predict(RewrittenQuery, self.prompt, query=query)
+        except ValueError as exc:
+            raise RewriteError(f"the rewrite was not valid JSON for the schema: {exc}") from exc
+        except Exception as exc:
+            raise RewriteError(f"the rewrite call failed: {type(exc).__name__}: {exc}") from exc
+        return _checked(query, result)
+
+
+def _checked(query: str, result: object) -> str:
+    if not isinstance(result, RewrittenQuery):
+        raise RewriteError(f"the rewrite returned {type(result).__name__}, not RewrittenQuery")
+    rewritten = " ".join(result.query.split())
+    if not rewritten:
+        raise RewriteError("the rewrite was empty")
+    if rewritten.casefold() == " ".join(query.split()).casefold():
+        raise RewriteError("the rewrite returned the query unchanged")
+    return rewritten

@@ -1,0 +1,55 @@
+"""The one interface every relevance scorer implements."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import List, Sequence
+
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+
+
+def sigmoid(value: float) -> float:
+    """Map a logit to (0, 1) without overflowing on large magnitudes."""
+    if value >= 0:
+        return 1.0 / (1.0 + math.exp(-value))
+    exp = math.exp(value)
+    return exp / (1.0 + exp)
+
+
+def node_text(node: NodeWithScore) -> str:
+    """The text a scorer judges: what the embedding model saw, metadata included."""
+    return node.node.get_content(metadata_mode=MetadataMode.EMBED)
+
+
+class RelevanceScorer(ABC):
+    """Scores how well passages answer a query, each score in [0, 1].
+
+    Every scorer states its normalisation in ``normalization`` so that a reader of a
+    trace or a calibration file knows what a 0.7 means. ``name`` identifies the scorer
+    and its model; calibration files record it and refuse to load for another one.
+    """
+
+    name: str = "scorer"
+    normalization: str = "scores are already in [0, 1]"
+    reuses_upstream_scores: bool = False
+
+    @abstractmethod
+    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
+        """Score raw passages (used for knowledge strips)."""
+
+    def score_nodes(
+        self, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]
+    ) -> List[float]:
+        """Score retrieved nodes. Empty passages score 0 without a model call."""
+        texts = [node_text(n) for n in nodes]
+        return self._score_nonempty(query_bundle, texts)
+
+    def _score_nonempty(self, query_bundle: QueryBundle, texts: Sequence[str]) -> List[float]:
+        scores = [0.0] * len(texts)
+        live = [i for i, text in enumerate(texts) if text.strip()]
+        if live:
+            found = self.score_texts(query_bundle.query_str, [texts[i] for i in live])
+            for i, score in zip(live, found):
+                scores[i] = min(1.0, max(0.0, float(score)))
+        return scores

@@ -1,0 +1,71 @@
+"""Bi-encoder scorer: cosine similarity from an embedding model (the offline default)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+from llama_index.core.base.embeddings.base import BaseEmbedding
+
+from llama_index_crag.scorers.base import RelevanceScorer
+
+
+class BiEncoderScorer(RelevanceScorer):
+    """Scores a passage by the cosine similarity of its embedding to the query's.
+
+    Normalisation: the cosine, clipped to [0, 1] (negative cosines mean unrelated).
+    Passage embeddings are cached (keyed by a hash of the text), so a corpus node
+    that comes back for many queries is embedded once.
+
+    Args:
+        embed_model: Any LlamaIndex embedding model; defaults to the bundled MiniLM.
+        cache_size: How many passage embeddings to keep.
+    """
+
+    normalization = "cosine similarity clipped to [0, 1]"
+    #: Fitted on the bundled sample corpus for the bundled MiniLM only; calibrate on your data.
+    BUNDLED_THRESHOLDS = {"upper": 0.55, "lower": 0.30}
+
+    def __init__(self, embed_model: Optional[BaseEmbedding] = None, cache_size: int = 50_000) -> None:
+        self.default_thresholds: Optional[Dict[str, float]] = None
+        if embed_model is None:
+            from llama_index_crag.models import default_embed_model
+
+            embed_model = default_embed_model()
+            self.default_thresholds = dict(self.BUNDLED_THRESHOLDS)
+        self.embed_model = embed_model
+        self.name = f"bi-encoder:{embed_model.model_name}"
+        self._cache: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def _embed_passages(self, texts: Sequence[str]) -> np.ndarray:
+        keys = [hashlib.blake2b(t.encode("utf-8"), digest_size=16).hexdigest() for t in texts]
+        with self._lock:
+            cached = {k: self._cache[k] for k in keys if k in self._cache}
+        missing = [(k, t) for k, t in zip(keys, texts) if k not in cached]
+        if missing:
+            unique = dict(missing)
+            vectors = self.embed_model.get_text_embedding_batch(list(unique.values()))
+            fresh = {k: _unit(v) for k, v in zip(unique.keys(), vectors)}
+            cached.update(fresh)
+            with self._lock:
+                self._cache.update(fresh)
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return np.stack([cached[k] for k in keys])
+
+    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
+        if not texts:
+            return []
+        sims = self._embed_passages(texts) @ _unit(self.embed_model.get_query_embedding(query))
+        return [float(min(1.0, max(0.0, s))) for s in sims]
+
+
+def _unit(vector: Sequence[float]) -> np.ndarray:
+    array = np.asarray(vector, dtype=np.float32)
+    norm = float(np.linalg.norm(array))
+    return array / norm if norm > 0 else array

@@ -1,0 +1,112 @@
+"""Engine settings, resolved in one order: constructor, then CRAG_* environment, then calibration file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Literal, Mapping, Optional
+
+from llama_index.core.bridge.pydantic import BaseModel, Field, ValidationError
+
+ENV_PREFIX = "CRAG_"
+CALIBRATION_VERSION = 1
+
+
+class CragSettings(BaseModel):
+    """Every knob of the corrective loop, with its default.
+
+    ``upper`` and ``lower`` have no default here: they belong to a scorer and come
+    from a calibration file (or the scorer's shipped defaults), never from a paper.
+    """
+
+    enabled: bool = Field(default=True, description="False turns the engine into plain retrieve-then-generate.")
+    upper: float = Field(ge=0.0, le=1.0, description="Batch score at or above which retrieval is CORRECT.")
+    lower: float = Field(ge=0.0, le=1.0, description="Batch score below which retrieval is INCORRECT.")
+    aggregation: Literal["max", "mean", "count"] = Field(default="max", description="How node scores become the batch score.")
+    min_relevant: int = Field(default=2, ge=1, description="For aggregation='count': candidates that must clear a band.")
+    similarity_top_k: int = Field(default=5, ge=1, description="Candidates retrieved (and fallback results kept).")
+    max_rewrites: int = Field(default=1, ge=0, description="Query rewrites allowed on the INCORRECT branch.")
+    strip_min_tokens: int = Field(default=8, ge=1, description="Shortest knowledge strip, in words; shorter ones are merged.")
+    hybrid: bool = Field(default=False, description="On AMBIGUOUS, add fallback results to the refined strips.")
+    correction_timeout_s: float = Field(default=30.0, gt=0, description="Time budget of the whole correction path.")
+    max_query_chars: int = Field(default=8000, ge=1, description="Longer queries are refused with a clear error.")
+    abstain_text: str = Field(
+        default="I don't know. The documents I can search do not answer this question.",
+        description="The answer given when the engine abstains.",
+    )
+
+    @classmethod
+    def resolve(
+        cls,
+        overrides: Optional[Mapping[str, Any]] = None,
+        calibration_path: Optional[str | Path] = None,
+        scorer_name: Optional[str] = None,
+        scorer_defaults: Optional[Mapping[str, Any]] = None,
+        environ: Optional[Mapping[str, str]] = None,
+    ) -> "CragSettings":
+        """Merge the sources, highest first: ``overrides`` (constructor arguments that
+        are not None), ``CRAG_*`` variables, the calibration file (``calibration_path``
+        or ``CRAG_CALIBRATION``), then ``scorer_defaults`` and the field defaults."""
+        environ = os.environ if environ is None else environ
+        merged: Dict[str, Any] = dict(scorer_defaults or {})
+        path = calibration_path or environ.get(f"{ENV_PREFIX}CALIBRATION")
+        if path:
+            merged.update(load_calibration(path, scorer_name))
+        merged.update(_from_env(environ))
+        merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        if "upper" not in merged or "lower" not in merged:
+            raise ValueError(
+                f"no thresholds for scorer {scorer_name!r}: pass upper= and lower=, set CRAG_UPPER and "
+                "CRAG_LOWER, or give a calibration file (calibration_path= or CRAG_CALIBRATION)"
+            )
+        try:
+            settings = cls(**merged)
+        except ValidationError as exc:
+            raise ValueError(f"invalid CRAG settings: {exc}") from exc
+        if settings.lower > settings.upper:
+            raise ValueError(f"CRAG thresholds need lower <= upper, got lower={settings.lower}, upper={settings.upper}")
+        return settings
+
+
+def _from_env(environ: Mapping[str, str]) -> Dict[str, Any]:
+    found: Dict[str, Any] = {}
+    for name in CragSettings.model_fields:
+        raw = environ.get(f"{ENV_PREFIX}{name.upper()}")
+        if raw is not None:
+            found[name] = _parse_bool(name, raw) if name in ("enabled", "hybrid") else raw
+    return found
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean: use true or false")
+
+
+def load_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, Any]:
+    """Read the thresholds of a calibration file, refusing one fitted for another scorer."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ValueError(f"calibration file {path} does not exist") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"calibration file {path} is not valid JSON: {exc}") from exc
+    version = data.get("version")
+    if version != CALIBRATION_VERSION:
+        raise ValueError(f"calibration file {path} has version {version!r}; this release reads version {CALIBRATION_VERSION}")
+    if scorer_name is not None and data.get("scorer") != scorer_name:
+        raise ValueError(
+            f"calibration file {path} was fitted for scorer {data.get('scorer')!r}, not {scorer_name!r}: "
+            "calibrate again for this scorer"
+        )
+    thresholds = data.get("thresholds", {})
+    missing = [k for k in ("upper", "lower") if k not in thresholds]
+    if missing:
+        raise ValueError(f"calibration file {path} lacks thresholds {missing}")
+    return {k: thresholds[k] for k in ("upper", "lower", "aggregation") if k in thresholds}
+

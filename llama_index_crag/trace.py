@@ -1,0 +1,137 @@
+"""The decision trace of one query, its instrumentation events, and its Prometheus metrics."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterator, List, Optional
+
+from llama_index.core.instrumentation.events.base import BaseEvent
+from prometheus_client import Counter, Histogram
+
+STAGES = ("retrieve", "rerank", "grade", "refine", "rewrite", "fallback", "regrade", "generate")
+CORRECTION_STAGES = ("grade", "refine", "rewrite", "fallback", "regrade")
+
+ACTIONS = Counter(
+    "crag_actions_total",
+    "Queries by the corrective action taken (correct, ambiguous, incorrect, disabled).",
+    ["action", "abstained"],
+)
+STAGE_SECONDS = Histogram(
+    "crag_stage_seconds",
+    "Time spent in each stage of the corrective loop; stage 'crag' is the correction's own cost.",
+    ["stage"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+
+
+class CragGradeEvent(BaseEvent):
+    """Emitted each time a batch of candidates is graded."""
+
+    query: str
+    node_ids: List[str]
+    scores: List[float]
+    labels: List[str]
+    aggregate: float
+    verdict: str
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CragGradeEvent"
+
+
+class CragActionEvent(BaseEvent):
+    """Emitted once a query's corrective action is decided and carried out."""
+
+    query: str
+    action: str
+    abstained: bool
+    abstain_reason: Optional[str] = None
+    rewritten_query: Optional[str] = None
+    fallback_sources: List[str] = []
+    crag_ms: float
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CragActionEvent"
+
+
+@dataclass
+class NodeGrade:
+    """One graded candidate as the trace shows it."""
+
+    node_id: str
+    score: float
+    label: str
+    source: str
+
+
+@dataclass
+class CragTrace:
+    """Everything the engine decided for one query; ``response.metadata["crag"]`` is its dict."""
+
+    query: str
+    enabled: bool
+    scorer: str
+    upper: float
+    lower: float
+    aggregation: str
+    action: str = "disabled"
+    nodes: List[NodeGrade] = field(default_factory=list)
+    aggregate_score: Optional[float] = None
+    top_score: Optional[float] = None
+    strips_kept: int = 0
+    strips_dropped: int = 0
+    rewritten_query: Optional[str] = None
+    rewrites: int = 0
+    rewrite_error: Optional[str] = None
+    fallback_sources: List[str] = field(default_factory=list)
+    fallback_error: Optional[str] = None
+    retry_score: Optional[float] = None
+    abstained: bool = False
+    abstain_reason: Optional[str] = None
+    timings_ms: Dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Add the wall time of the block to ``timings_ms[stage]``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = (time.perf_counter() - start) * 1000.0
+            self.timings_ms[stage] = round(self.timings_ms.get(stage, 0.0) + elapsed, 3)
+
+    @property
+    def crag_ms(self) -> float:
+        """The correction's own cost: every stage a plain RAG pipeline would not run."""
+        return round(sum(self.timings_ms.get(s, 0.0) for s in CORRECTION_STAGES), 3)
+
+    def abstain(self, reason: str) -> None:
+        """Record that the engine will answer with its abstention text, and why."""
+        self.abstained = True
+        self.abstain_reason = reason
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The trace as plain JSON-ready data, with ``crag_ms`` among the timings."""
+        data = asdict(self)
+        data["timings_ms"] = {**self.timings_ms, "crag_ms": self.crag_ms}
+        data["thresholds"] = {"upper": self.upper, "lower": self.lower, "aggregation": self.aggregation}
+        return data
+
+    def publish(self) -> CragActionEvent:
+        """Update the Prometheus metrics and build the action event."""
+        ACTIONS.labels(action=self.action, abstained=str(self.abstained).lower()).inc()
+        for stage, ms in self.timings_ms.items():
+            STAGE_SECONDS.labels(stage=stage).observe(ms / 1000.0)
+        STAGE_SECONDS.labels(stage="crag").observe(self.crag_ms / 1000.0)
+        return CragActionEvent(
+            query=self.query,
+            action=self.action,
+            abstained=self.abstained,
+            abstain_reason=self.abstain_reason,
+            rewritten_query=self.rewritten_query,
+            fallback_sources=self.fallback_sources,
+            crag_ms=self.crag_ms,
+        )
