@@ -1,0 +1,145 @@
+"""Shared fixtures: the real bundled embedding and sample index, and scripted parts for branch logic."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional, Sequence
+
+import pytest
+from llama_index.core import VectorStoreIndex
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.base.llms.types import CompletionResponse, CompletionResponseGen, LLMMetadata
+from llama_index.core.llms.callbacks import llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever
+from llama_index_crag.datasets import load_documents
+from llama_index_crag.models import default_embed_model
+from llama_index_crag.scorers.base import RelevanceScorer
+
+REWRITE_MARKER = "You rewrite search queries"
+
+
+class ScriptedLLM(CustomLLM):
+    """A deterministic LLM: answers with the first context line, rewrites as scripted, counts calls.
+
+    ``rewrite`` decides the raw completion of a rewrite prompt: a string (returned as
+    the model's text, so it can be invalid JSON), or a callable that may raise.
+    """
+
+    rewrite: Any = '{"query": "alpha project budget"}'
+    calls: Dict[str, int] = {}
+    _lock: Any = PrivateAttr(default_factory=threading.Lock)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.calls = {"answer": 0, "rewrite": 0}
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(context_window=4096, num_output=128, model_name="scripted")
+
+    def _text(self, prompt: str) -> str:
+        with self._lock:
+            if REWRITE_MARKER in prompt:
+                self.calls["rewrite"] += 1
+                return self.rewrite(prompt) if callable(self.rewrite) else str(self.rewrite)
+            self.calls["answer"] += 1
+        context = prompt.split("---------------------")[1].strip() if "-----" in prompt else prompt
+        return "ANSWER: " + context.splitlines()[-1][:80]
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return CompletionResponse(text=self._text(prompt))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        text = self._text(prompt)
+
+        def gen() -> CompletionResponseGen:
+            sent = ""
+            for word in text.split(" "):
+                sent += word + " "
+                yield CompletionResponse(text=sent, delta=word + " ")
+
+        return gen()
+
+
+class MarkerScorer(RelevanceScorer):
+    """Scores a passage by the best marker word it contains (deterministic), counting calls."""
+
+    name = "marker-scorer"
+
+    def __init__(self, markers: Dict[str, float], default: float = 0.05) -> None:
+        self.markers = markers
+        self.default = default
+        self.calls = 0
+
+    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
+        self.calls += 1
+        return [max([v for k, v in self.markers.items() if k in t.lower()] or [self.default]) for t in texts]
+
+
+class FixedRetriever(BaseRetriever):
+    """Returns the same candidates for every query (the primary retrieval in branch tests)."""
+
+    def __init__(self, nodes: List[TextNode]) -> None:
+        self._nodes = nodes
+        super().__init__()
+
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        return [NodeWithScore(node=n, score=0.5) for n in self._nodes]
+
+
+ALPHA = TextNode(
+    id_="alpha",
+    text="The alpha project budget for 2024 is 3.2 million euros. It was approved in March by the board.",
+)
+BETA = TextNode(id_="beta", text="Beta is a cafeteria menu. Lunch is served from noon until two in the afternoon.")
+GAMMA = TextNode(
+    id_="gamma",
+    text=(
+        "The gamma office is in Porto and opened in 2019 with twelve staff members. "
+        "The alpha project budget was discussed there once at a regional planning meeting. "
+        "The office cafeteria is painted green and has a view over the river Douro."
+    ),
+)
+CORPUS = [ALPHA, BETA, GAMMA]
+
+
+@pytest.fixture
+def scripted_llm() -> ScriptedLLM:
+    return ScriptedLLM()
+
+
+def make_engine(
+    scorer: RelevanceScorer,
+    llm: ScriptedLLM,
+    primary: Optional[List[TextNode]] = None,
+    fallback: Optional[BaseRetriever] = None,
+    node_postprocessors: Optional[List[Any]] = None,
+    **settings: Any,
+) -> CorrectiveQueryEngine:
+    """An engine over the tiny corpus: fixed primary candidates, real BM25 fallback."""
+    settings.setdefault("upper", 0.7)
+    settings.setdefault("lower", 0.3)
+    return CorrectiveQueryEngine.from_defaults(
+        retriever=FixedRetriever(primary if primary is not None else [BETA]),
+        llm=llm,
+        scorer=scorer,
+        fallback=fallback or FallbackRetriever.from_nodes(CORPUS, sources=("bm25",), similarity_top_k=2),
+        node_postprocessors=node_postprocessors,
+        **settings,
+    )
+
+
+@pytest.fixture(scope="session")
+def embed_model() -> Any:
+    return default_embed_model()
+
+
+@pytest.fixture(scope="session")
+def sample_index(embed_model: Any) -> VectorStoreIndex:
+    return VectorStoreIndex.from_documents(load_documents(), embed_model=embed_model)

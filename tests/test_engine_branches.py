@@ -1,0 +1,247 @@
+"""The three branches of the corrective loop and every way the correction path abstains."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, List
+
+import pytest
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import NodeWithScore, QueryBundle
+
+from llama_index_crag import FallbackRetriever
+from llama_index_crag.scorers import UpstreamScoreScorer
+
+from .conftest import ALPHA, BETA, GAMMA, MarkerScorer, ScriptedLLM, make_engine
+
+QUESTION = "What is the alpha project budget?"
+ABSTAIN = "I don't know"
+
+
+def crag(response: Any) -> dict:
+    return response.metadata["crag"]
+
+
+def test_correct_branch_generates_once_with_no_other_model_call(scripted_llm: ScriptedLLM) -> None:
+    scorer = MarkerScorer({"alpha project budget for 2024": 0.9})
+    engine = make_engine(scorer, scripted_llm, primary=[ALPHA, BETA])
+    response = engine.query(QUESTION)
+    trace = crag(response)
+    assert trace["action"] == "correct"
+    assert scripted_llm.calls == {"answer": 1, "rewrite": 0}
+    assert scorer.calls == 1
+    assert [n.node.node_id for n in response.source_nodes] == ["alpha"]
+    assert "3.2 million" in str(response)
+
+
+class CountingReranker(BaseNodePostprocessor):
+    """An upstream reranker that puts probabilities on nodes and counts its calls."""
+
+    calls: int = 0
+
+    def _postprocess_nodes(self, nodes: List[NodeWithScore], query_bundle: Any = None) -> List[NodeWithScore]:
+        self.calls += 1
+        return [NodeWithScore(node=n.node, score=0.95 if "alpha" in n.node.get_content() else 0.02) for n in nodes]
+
+
+def test_reused_reranker_scores_make_grading_free(scripted_llm: ScriptedLLM) -> None:
+    reranker = CountingReranker()
+    scorer = UpstreamScoreScorer.from_reranker(reranker)
+    engine = make_engine(scorer, scripted_llm, primary=[BETA, ALPHA], node_postprocessors=[reranker])
+    trace = crag(engine.query(QUESTION))
+    assert trace["action"] == "correct"
+    assert reranker.calls == 1, "the grader must not call the reranker again"
+    assert scripted_llm.calls == {"answer": 1, "rewrite": 0}
+    assert [n["score"] for n in trace["nodes"]] == [0.02, 0.95]
+
+
+def test_ambiguous_branch_keeps_only_relevant_strips_in_document_order(scripted_llm: ScriptedLLM) -> None:
+    scorer = MarkerScorer({"alpha project budget was discussed": 0.5, "porto": 0.4})
+    engine = make_engine(scorer, scripted_llm, primary=[GAMMA], strip_min_tokens=4)
+    response = engine.query(QUESTION)
+    trace = crag(response)
+    assert trace["action"] == "ambiguous"
+    assert trace["strips_kept"] == 2 and trace["strips_dropped"] == 1
+    [node] = response.source_nodes
+    text = node.node.get_content()
+    assert text.index("Porto") < text.index("alpha project budget was discussed")
+    assert "cafeteria" not in text
+    assert scripted_llm.calls["rewrite"] == 0
+
+
+def test_ambiguous_branch_falls_back_to_original_ranking_when_no_strip_survives(scripted_llm: ScriptedLLM) -> None:
+    class BatchHigh(MarkerScorer):
+        def score_texts(self, query: str, texts: Any) -> List[float]:
+            self.calls += 1
+            return [0.5 if len(texts) == 1 else 0.1 for _ in texts]
+
+    engine = make_engine(BatchHigh({}), scripted_llm, primary=[GAMMA], strip_min_tokens=4)
+    response = engine.query(QUESTION)
+    trace = crag(response)
+    assert trace["action"] == "ambiguous" and trace["strips_kept"] == 0
+    assert response.source_nodes[0].node.get_content() == GAMMA.get_content()
+    assert not trace["abstained"]
+
+
+def test_incorrect_branch_rewrites_once_and_answers_from_the_fallback(scripted_llm: ScriptedLLM) -> None:
+    scorer = MarkerScorer({"alpha project budget for 2024": 0.9})
+    engine = make_engine(scorer, scripted_llm, primary=[BETA])
+    response = engine.query("How much money does project A get?")
+    trace = crag(response)
+    assert trace["action"] == "incorrect"
+    assert trace["rewritten_query"] == "alpha project budget" and trace["rewrites"] == 1
+    assert trace["fallback_sources"] == ["bm25"]
+    assert not trace["abstained"]
+    assert response.source_nodes[0].node.node_id == "alpha"
+    assert response.source_nodes[0].node.metadata["crag_source"] == "bm25"
+    assert scripted_llm.calls == {"answer": 1, "rewrite": 1}
+
+
+def _assert_abstained(response: Any, reason: str, llm: ScriptedLLM) -> None:
+    trace = crag(response)
+    assert trace["abstained"], trace
+    assert reason in trace["abstain_reason"]
+    assert str(response).startswith(ABSTAIN)
+    assert response.source_nodes == []
+    assert llm.calls["answer"] == 0, "an abstention must not generate"
+
+
+def _raise(prompt: str) -> str:
+    raise ConnectionError("server went away")
+
+
+@pytest.mark.parametrize(
+    ("rewrite", "reason"),
+    [
+        (_raise, "the rewrite call failed: ConnectionError"),
+        ('{"query": "   "}', "the rewrite was empty"),
+        ('{"query": "how much money does project A get?"}', "returned the query unchanged"),
+        ("sure! the query is alpha budget", "not valid JSON"),
+        ('{"query": ', "not valid JSON"),
+    ],
+    ids=["raises", "empty", "unchanged", "prose-not-json", "truncated-json"],
+)
+def test_every_rewrite_failure_abstains(rewrite: Any, reason: str) -> None:
+    llm = ScriptedLLM(rewrite=rewrite)
+    engine = make_engine(MarkerScorer({"alpha project budget for 2024": 0.9}), llm)
+    _assert_abstained(engine.query("How much money does project A get?"), reason, llm)
+
+
+def test_retry_still_below_threshold_abstains() -> None:
+    llm = ScriptedLLM(rewrite='{"query": "cafeteria lunch"}')
+    engine = make_engine(MarkerScorer({"alpha project budget for 2024": 0.9}), llm)
+    response = engine.query("How much money does project A get?")
+    _assert_abstained(response, "still below lower=0.300", llm)
+    assert crag(response)["retry_score"] < 0.3
+
+
+class BrokenRetriever(BaseRetriever):
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        raise RuntimeError("index offline")
+
+
+class SlowRetriever(BaseRetriever):
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        time.sleep(3)
+        return []
+
+
+def test_fallback_that_raises_abstains() -> None:
+    llm = ScriptedLLM()
+    engine = make_engine(
+        MarkerScorer({}), llm, fallback=FallbackRetriever({"broken": BrokenRetriever()}, similarity_top_k=2)
+    )
+    response = engine.query("How much money does project A get?")
+    _assert_abstained(response, "the fallback retrieval failed: RuntimeError: index offline", llm)
+
+
+def test_fallback_past_the_time_budget_abstains_without_waiting_for_it() -> None:
+    llm = ScriptedLLM()
+    engine = make_engine(
+        MarkerScorer({}),
+        llm,
+        fallback=FallbackRetriever({"slow": SlowRetriever()}, similarity_top_k=2),
+        correction_timeout_s=0.5,
+    )
+    started = time.monotonic()
+    response = engine.query("How much money does project A get?")
+    assert time.monotonic() - started < 2.5
+    _assert_abstained(response, "ran past the 0.5 s correction budget", llm)
+
+
+async def test_async_fallback_past_the_time_budget_abstains() -> None:
+    class AsyncSlow(BaseRetriever):
+        def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+            raise AssertionError("the async path must await _aretrieve")
+
+        async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+            import asyncio
+
+            await asyncio.sleep(3)
+            return []
+
+    llm = ScriptedLLM()
+    engine = make_engine(
+        MarkerScorer({}), llm, fallback=FallbackRetriever({"slow": AsyncSlow()}), correction_timeout_s=0.5
+    )
+    started = time.monotonic()
+    response = await engine.aquery("How much money does project A get?")
+    assert time.monotonic() - started < 2.5
+    _assert_abstained(response, "ran past the 0.5 s correction budget", llm)
+
+
+def test_max_rewrites_caps_the_loop() -> None:
+    seen: List[str] = []
+
+    def rewrite(prompt: str) -> str:
+        seen.append(prompt)
+        return '{"query": "cafeteria lunch %d"}' % len(seen)
+
+    llm = ScriptedLLM(rewrite=rewrite)
+    engine = make_engine(MarkerScorer({"alpha project budget for 2024": 0.9}), llm, max_rewrites=3)
+    response = engine.query("How much money does project A get?")
+    assert crag(response)["rewrites"] == 3 and len(seen) == 3
+    _assert_abstained(response, "after 3 rewrite(s)", llm)
+
+    llm_default = ScriptedLLM(rewrite=rewrite)
+    seen.clear()
+    engine = make_engine(MarkerScorer({"alpha project budget for 2024": 0.9}), llm_default)
+    assert crag(engine.query("How much money does project A get?"))["rewrites"] == 1 and len(seen) == 1
+
+
+def test_zero_rewrites_still_tries_the_fallback_with_the_original_query() -> None:
+    llm = ScriptedLLM()
+    engine = make_engine(MarkerScorer({"alpha project budget for 2024": 0.9}), llm, max_rewrites=0)
+    response = engine.query("alpha project budget")
+    trace = crag(response)
+    assert trace["action"] == "incorrect" and trace["rewrites"] == 0 and not trace["abstained"]
+    assert llm.calls["rewrite"] == 0
+
+
+def test_hybrid_adds_graded_fallback_results_on_ambiguous(scripted_llm: ScriptedLLM) -> None:
+    scorer = MarkerScorer({"alpha project budget was discussed": 0.5, "alpha project budget for 2024": 0.6})
+    engine = make_engine(scorer, scripted_llm, primary=[GAMMA], hybrid=True, strip_min_tokens=4)
+    response = engine.query("alpha project budget")
+    ids = [n.node.metadata.get("crag_source", "retriever") for n in response.source_nodes]
+    assert crag(response)["action"] == "ambiguous"
+    assert "bm25" in ids and "retriever" in ids
+
+
+def test_disabled_engine_is_plain_retrieve_then_generate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CRAG_ENABLED", "false")
+    llm = ScriptedLLM()
+    scorer = MarkerScorer({})
+    engine = make_engine(scorer, llm, primary=[BETA])
+    response = engine.query("How much money does project A get?")
+    trace = crag(response)
+    assert trace["enabled"] is False and trace["action"] == "disabled"
+    assert scorer.calls == 0 and llm.calls == {"answer": 1, "rewrite": 0}
+    assert set(trace) >= {"nodes", "top_score", "timings_ms", "abstained", "thresholds"}
+    assert trace["timings_ms"]["crag_ms"] == 0
+
+
+def test_constructor_argument_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CRAG_ENABLED", "false")
+    engine = make_engine(MarkerScorer({}), ScriptedLLM(), enabled=True)
+    assert engine.settings.enabled is True

@@ -1,0 +1,181 @@
+"""The grader, refiner and fallback retriever, each on its own and in stock LlamaIndex pipelines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+from llama_index.core import VectorStoreIndex
+from llama_index.core.chat_engine import CondensePlusContextChatEngine
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from llama_index_crag import FallbackRetriever, RelevanceGrader, StripRefiner, Verdict
+from llama_index_crag.refiner import decompose
+from llama_index_crag.scorers import BiEncoderScorer, UpstreamScoreScorer
+from llama_index_crag.settings import CragSettings
+
+from .conftest import ALPHA, BETA, CORPUS, GAMMA, MarkerScorer, ScriptedLLM
+
+
+def nws(*nodes: TextNode) -> List[NodeWithScore]:
+    return [NodeWithScore(node=n, score=None) for n in nodes]
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "scores", "verdict"),
+    [("max", [0.9, 0.1, 0.1], "correct"), ("mean", [0.9, 0.1, 0.1], "ambiguous"), ("count", [0.9, 0.1, 0.1], "incorrect"),
+     ("count", [0.9, 0.8, 0.1], "correct")],
+)
+def test_aggregation_decides_the_batch_verdict(aggregation: str, scores: List[float], verdict: str) -> None:
+    nodes = [TextNode(text=f"passage {i} score{s}") for i, s in enumerate(scores)]
+    scorer = MarkerScorer({f"score{s}": s for s in scores})
+    grader = RelevanceGrader(scorer, upper=0.7, lower=0.3, aggregation=aggregation)  # type: ignore[arg-type]
+    grading = grader.grade(QueryBundle("q"), nws(*nodes))
+    assert grading.verdict.value == verdict
+    assert grading.labels[0] is Verdict.CORRECT and grading.labels[-1] is Verdict.INCORRECT
+    assert grading.top_score == max(scores)
+
+
+def test_grader_rejects_thresholds_out_of_order() -> None:
+    with pytest.raises(ValueError, match="lower <= upper"):
+        RelevanceGrader(MarkerScorer({}), upper=0.2, lower=0.5)
+
+
+def test_empty_passages_score_zero_without_a_model_call() -> None:
+    scorer = MarkerScorer({}, default=0.9)
+    grading = RelevanceGrader(scorer, upper=0.7, lower=0.3).grade(
+        QueryBundle("q"), nws(TextNode(text=""), TextNode(text="   "))
+    )
+    assert grading.scores == [0.0, 0.0] and scorer.calls == 0
+
+
+def test_grader_in_a_stock_query_engine_drops_irrelevant_nodes_and_emits_an_event(embed_model: Any) -> None:
+    events: List[Any] = []
+
+    class Collect(BaseEventHandler):
+        def handle(self, event: Any, **kwargs: Any) -> None:
+            if event.class_name() == "CragGradeEvent":
+                events.append(event)
+
+    handler = Collect()
+    get_dispatcher().add_event_handler(handler)
+    try:
+        index = VectorStoreIndex(CORPUS, embed_model=embed_model)
+        grader = RelevanceGrader(BiEncoderScorer(), upper=0.55, lower=0.3)
+        engine = RetrieverQueryEngine.from_args(
+            index.as_retriever(similarity_top_k=3), llm=ScriptedLLM(), node_postprocessors=[grader]
+        )
+        response = engine.query("What is the budget of the alpha project?")
+    finally:
+        get_dispatcher().event_handlers.remove(handler)
+    ids = [n.node.node_id for n in response.source_nodes]
+    assert "alpha" in ids and "beta" not in ids
+    assert events and events[-1].verdict in ("correct", "ambiguous")
+    assert all(0.0 <= s <= 1.0 for s in events[-1].scores)
+
+
+def test_grader_returns_nothing_when_the_batch_is_incorrect(embed_model: Any) -> None:
+    grader = RelevanceGrader(BiEncoderScorer(), upper=0.55, lower=0.3)
+    assert grader.postprocess_nodes(nws(ALPHA, BETA), query_str="Who won the 1998 football world cup?") == []
+
+
+def test_bi_encoder_ranks_the_answering_passage_first() -> None:
+    scorer = BiEncoderScorer()
+    scores = scorer.score_texts("What is the alpha project budget?", [BETA.text, ALPHA.text])
+    assert scores[1] > scores[0] + 0.2
+    assert scorer.default_thresholds == BiEncoderScorer.BUNDLED_THRESHOLDS
+
+
+def test_upstream_scorer_explains_logits_and_missing_scores() -> None:
+    scorer = UpstreamScoreScorer()
+    with pytest.raises(ValueError, match="normalization='sigmoid'"):
+        scorer.score_nodes(QueryBundle("q"), [NodeWithScore(node=ALPHA, score=4.2)])
+    with pytest.raises(ValueError, match="needs a reranker"):
+        scorer.score_nodes(QueryBundle("q"), [NodeWithScore(node=ALPHA, score=None)])
+    assert UpstreamScoreScorer(normalization="sigmoid").score_nodes(
+        QueryBundle("q"), [NodeWithScore(node=ALPHA, score=0.0)]
+    ) == [0.5]
+
+
+def test_decompose_keeps_tables_and_code_whole_and_merges_short_sentences() -> None:
+    text = (
+        "Churn fell. It fell in every quarter of the year for the Pro plan.\n\n"
+        "| quarter | churn |\n| --- | --- |\n| Q1 | 4.1% |\n| Q2 | 3.9% |\n\n"
+        "```python\nclient = Client()\n\nclient.export()\n```\n"
+        "The export command writes one CSV file for each workspace you own."
+    )
+    strips = decompose(text, min_tokens=5)
+    assert [s.whole_block for s in strips] == [False, True, True, False]
+    assert strips[0].text == "Churn fell. It fell in every quarter of the year for the Pro plan."
+    assert strips[1].text.count("|") == 12
+    assert "client.export()" in strips[2].text and strips[2].text.startswith("```")
+
+
+def test_a_chunk_shorter_than_the_minimum_stays_whole() -> None:
+    assert [s.text for s in decompose("Short one. Another.", min_tokens=8)] == ["Short one. Another."]
+
+
+def test_refiner_with_the_real_scorer_keeps_the_answering_sentence() -> None:
+    refiner = StripRefiner(BiEncoderScorer(), threshold=0.45, strip_min_tokens=5)
+    refined = refiner.postprocess_nodes(nws(GAMMA), query_str="Where is the gamma office and when did it open?")
+    [node] = refined
+    assert "Porto" in node.node.get_content() and "cafeteria" not in node.node.get_content()
+    assert node.node.source_node is not None and node.node.source_node.node_id == "gamma"
+
+
+def test_fallback_chain_tags_sources_and_first_mode_stops_early(embed_model: Any) -> None:
+    chained = FallbackRetriever.from_nodes(CORPUS, sources=("bm25", "sentence_window"), similarity_top_k=4,
+                                           embed_model=embed_model, window_size=1)
+    hits = chained.retrieve("Porto office opening year")
+    sources = {h.node.metadata["crag_source"] for h in hits}
+    assert sources == {"bm25", "sentence_window"}
+    assert all("crag_source" in h.node.excluded_llm_metadata_keys for h in hits)
+    window = next(h for h in hits if h.node.metadata["crag_source"] == "sentence_window")
+    assert "Porto" in window.node.get_content()
+    first = FallbackRetriever.from_nodes(CORPUS, sources=("bm25", "sentence_window"), mode="first")
+    assert {h.node.metadata["crag_source"] for h in first.retrieve("Porto office")} == {"bm25"}
+
+
+def test_fallback_retriever_feeds_a_stock_chat_engine() -> None:
+    retriever = FallbackRetriever.from_nodes(CORPUS, sources=("bm25",), similarity_top_k=2)
+    chat = CondensePlusContextChatEngine.from_defaults(
+        retriever=retriever,
+        llm=ScriptedLLM(),
+        node_postprocessors=[RelevanceGrader(MarkerScorer({"budget for 2024": 0.9}), upper=0.7, lower=0.3)],
+    )
+    reply = chat.chat("alpha project budget")
+    assert [n.node.node_id for n in reply.source_nodes] == ["alpha"]
+
+
+def test_fallback_refuses_an_empty_corpus() -> None:
+    with pytest.raises(ValueError, match="at least one node with text"):
+        FallbackRetriever.from_nodes([TextNode(text=" ")])
+
+
+def test_settings_precedence_constructor_env_calibration(tmp_path: Path) -> None:
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"version": 1, "scorer": "s", "thresholds": {"upper": 0.8, "lower": 0.2}}))
+    env = {"CRAG_LOWER": "0.25", "CRAG_MAX_REWRITES": "2", "CRAG_CALIBRATION": str(calibration)}
+    s = CragSettings.resolve({"max_rewrites": 3}, scorer_name="s", environ=env)
+    assert (s.upper, s.lower, s.max_rewrites) == (0.8, 0.25, 3)
+
+
+def test_calibration_for_another_scorer_is_refused(tmp_path: Path) -> None:
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"version": 1, "scorer": "other", "thresholds": {"upper": 0.8, "lower": 0.2}}))
+    with pytest.raises(ValueError, match="fitted for scorer 'other'"):
+        CragSettings.resolve(calibration_path=calibration, scorer_name="mine", environ={})
+
+
+def test_settings_errors_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="pass upper= and lower="):
+        CragSettings.resolve(scorer_name="x", environ={})
+    with pytest.raises(ValueError, match="CRAG_ENABLED='maybe' is not a boolean"):
+        CragSettings.resolve({"upper": 0.5, "lower": 0.2}, environ={"CRAG_ENABLED": "maybe"})
+    with pytest.raises(ValueError, match="invalid CRAG settings"):
+        CragSettings.resolve({"upper": 0.5, "lower": 0.2}, environ={"CRAG_MAX_REWRITES": "-1"})
