@@ -1,0 +1,162 @@
+"""The engine on the sample corpus: trace, metrics, events, async concurrency, streaming, chat engines."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, List
+
+import pytest
+from llama_index.core import VectorStoreIndex
+from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
+from llama_index.core.chat_engine import CondenseQuestionChatEngine
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.tools import QueryEngineTool
+from prometheus_client import REGISTRY
+
+from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.datasets import load_questions
+
+from .conftest import ScriptedLLM
+
+TRACE_FIELDS = {
+    "action", "nodes", "aggregate_score", "top_score", "thresholds", "strips_kept", "strips_dropped",
+    "rewritten_query", "fallback_sources", "abstained", "abstain_reason", "timings_ms", "scorer",
+}
+
+
+@pytest.fixture(scope="module")
+def engine(sample_index: VectorStoreIndex) -> CorrectiveQueryEngine:
+    return CorrectiveQueryEngine.from_defaults(index=sample_index, llm=ScriptedLLM(), fallback_sources=("bm25",))
+
+
+def test_answerable_question_is_answered_with_a_full_trace(engine: CorrectiveQueryEngine) -> None:
+    response = engine.query("Who is the chief executive officer of Harbor Analytics?")
+    trace = response.metadata["crag"]
+    assert TRACE_FIELDS <= set(trace)
+    assert trace["action"] in ("correct", "ambiguous") and not trace["abstained"]
+    assert "harbor-001" in [n.node.metadata["doc_id"] for n in response.source_nodes]
+    assert trace["thresholds"] == {"upper": 0.55, "lower": 0.3, "aggregation": "max"}
+    assert all(n["label"] in ("correct", "ambiguous", "incorrect") for n in trace["nodes"])
+    assert {"retrieve", "grade", "generate", "crag_ms"} <= set(trace["timings_ms"])
+    assert trace["timings_ms"]["crag_ms"] >= trace["timings_ms"]["grade"] > 0
+
+
+def test_off_topic_question_is_graded_incorrect_and_abstains(engine: CorrectiveQueryEngine) -> None:
+    llm = engine._rewriter.llm  # type: ignore[union-attr]
+    before = dict(llm.calls)
+    response = engine.query("What is the boiling point of mercury?")
+    trace = response.metadata["crag"]
+    assert trace["action"] == "incorrect" and trace["abstained"]
+    assert llm.calls["answer"] == before["answer"]
+
+
+def test_actions_and_stage_times_reach_prometheus(engine: CorrectiveQueryEngine) -> None:
+    def count(action: str) -> float:
+        return REGISTRY.get_sample_value("crag_actions_total", {"action": action, "abstained": "true"}) or 0.0
+
+    grade_before = REGISTRY.get_sample_value("crag_stage_seconds_count", {"stage": "grade"}) or 0.0
+    before = count("incorrect")
+    engine.query("Who won the 1998 FIFA World Cup?")
+    assert count("incorrect") == before + 1
+    assert REGISTRY.get_sample_value("crag_stage_seconds_count", {"stage": "grade"}) == grade_before + 1
+
+
+def test_grading_and_action_are_instrumentation_events(engine: CorrectiveQueryEngine) -> None:
+    seen: List[str] = []
+
+    class Collect(BaseEventHandler):
+        def handle(self, event: Any, **kwargs: Any) -> None:
+            if event.class_name().startswith("Crag"):
+                seen.append(event.class_name())
+
+    handler = Collect()
+    get_dispatcher().add_event_handler(handler)
+    try:
+        engine.query("What is the boiling point of mercury?")
+    finally:
+        get_dispatcher().event_handlers.remove(handler)
+    assert seen[0] == "CragGradeEvent" and seen[-1] == "CragActionEvent"
+
+
+async def test_twenty_concurrent_queries_keep_independent_traces(engine: CorrectiveQueryEngine) -> None:
+    questions = [q.question for q in load_questions()][:20]
+    responses = await asyncio.gather(*(engine.aquery(q) for q in questions))
+    for question, response in zip(questions, responses):
+        trace = response.metadata["crag"]
+        assert trace["query"] == question
+        assert str(response).startswith("I don't know") == trace["abstained"]
+    sequential = [engine.query(q).metadata["crag"] for q in questions[:5]]
+    for trace, response in zip(sequential, responses[:5]):
+        assert trace["action"] == response.metadata["crag"]["action"]
+        assert [n["node_id"] for n in trace["nodes"]] == [n["node_id"] for n in response.metadata["crag"]["nodes"]]
+
+
+def test_aquery_does_not_block_the_event_loop_while_grading(sample_index: VectorStoreIndex) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=ScriptedLLM(), fallback_sources=("bm25",))
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    async def run() -> Any:
+        task = asyncio.create_task(ticker())
+        try:
+            return await engine.aquery("What is the refund policy for annual Harbor Pro plans?")
+        finally:
+            task.cancel()
+
+    response = asyncio.run(run())
+    grade_ms = response.metadata["crag"]["timings_ms"]["grade"]
+    assert ticks >= 3, f"the loop ticked {ticks} times during {grade_ms:.0f} ms of grading"
+
+
+def test_streaming_sync_and_async(sample_index: VectorStoreIndex) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, llm=ScriptedLLM(), streaming=True, fallback_sources=("bm25",)
+    )
+    answered = engine.query("Who is the chief executive officer of Harbor Analytics?")
+    assert isinstance(answered, StreamingResponse)
+    assert len(list(answered.response_gen)) > 1 and answered.metadata["crag"]["action"] != "incorrect"
+    abstained = engine.query("What is the boiling point of mercury?")
+    assert isinstance(abstained, StreamingResponse) and str(abstained).startswith("I don't know")
+
+    async def run() -> List[str]:
+        response = await engine.aquery("Who is the chief executive officer of Harbor Analytics?")
+        assert isinstance(response, AsyncStreamingResponse)
+        return [token async for token in response.async_response_gen()]
+
+    assert len(asyncio.run(run())) > 1
+
+
+def test_condense_question_chat_engine_all_four_modes(sample_index: VectorStoreIndex) -> None:
+    llm = ScriptedLLM()
+    plain = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llm, fallback_sources=("bm25",))
+    streaming = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, llm=llm, streaming=True, fallback_sources=("bm25",)
+    )
+    chat = CondenseQuestionChatEngine.from_defaults(query_engine=plain, llm=llm)
+    reply = chat.chat("Who is the chief executive officer of Harbor Analytics?")
+    assert "ANSWER" in str(reply) and reply.sources[0].raw_output.metadata["crag"]["abstained"] is False
+    chat.reset()
+    assert "ANSWER" in str(asyncio.run(chat.achat("Where is the company headquartered?")))
+    chat = CondenseQuestionChatEngine.from_defaults(query_engine=streaming, llm=llm)
+    streamed = chat.stream_chat("Who is the chief executive officer of Harbor Analytics?")
+    assert "ANSWER" in "".join(streamed.response_gen)
+    chat.reset()
+
+    async def astream() -> str:
+        reply = await chat.astream_chat("Who is the chief executive officer of Harbor Analytics?")
+        return "".join([token async for token in reply.async_response_gen()])
+
+    assert "ANSWER" in asyncio.run(astream())
+
+
+def test_engine_is_a_query_engine_tool(engine: CorrectiveQueryEngine) -> None:
+    tool = QueryEngineTool.from_defaults(engine, name="harbor_docs", description="Harbor Analytics documents")
+    output = tool.call(input="Who is the chief executive officer of Harbor Analytics?")
+    assert "ANSWER" in str(output.content)
+    assert output.raw_output.metadata["crag"]["action"] in ("correct", "ambiguous")
