@@ -30,6 +30,7 @@ from llama_index.core.settings import Settings
 
 from llama_index_crag.fallback import SOURCE_KEY, FallbackRetriever
 from llama_index_crag.grader import Grading, RelevanceGrader, Verdict
+from llama_index_crag.models import describe_llm
 from llama_index_crag.refiner import StripRefiner
 from llama_index_crag.rewrite import QueryRewriter, RewriteError
 from llama_index_crag.scorers.base import RelevanceScorer
@@ -45,13 +46,6 @@ class InvalidQueryError(ValueError):
 
 class GenerationError(RuntimeError):
     """The generator LLM failed; the message names the model and, where it has one, its server."""
-
-
-def describe_llm(llm: Any) -> str:
-    """A short name for an LLM that says where it runs (its server URL when it has one)."""
-    name = getattr(llm, "model", None) or llm.class_name()
-    base_url = getattr(llm, "base_url", None)
-    return f"{name} at {base_url}" if base_url else str(name)
 
 
 @dataclass

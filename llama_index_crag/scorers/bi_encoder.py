@@ -13,6 +13,9 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index_crag.scorers.base import RelevanceScorer
 
 
+BUNDLED_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
 class BiEncoderScorer(RelevanceScorer):
     """Scores a passage by the cosine similarity of its embedding to the query's.
 
@@ -30,14 +33,14 @@ class BiEncoderScorer(RelevanceScorer):
     BUNDLED_THRESHOLDS = {"upper": 0.55, "lower": 0.30}
 
     def __init__(self, embed_model: Optional[BaseEmbedding] = None, cache_size: int = 50_000) -> None:
-        self.default_thresholds: Optional[Dict[str, float]] = None
-        if embed_model is None:
-            from llama_index_crag.models import default_embed_model
+        from llama_index_crag.models import bundled_embedding_path, default_embed_model
 
-            embed_model = default_embed_model()
+        self.embed_model = embed_model or default_embed_model()
+        self.default_thresholds: Optional[Dict[str, float]] = None
+        self.name = f"bi-encoder:{self.embed_model.model_name}"
+        if self.embed_model.model_name == str(bundled_embedding_path()):
+            self.name = f"bi-encoder:{BUNDLED_MODEL_NAME}"
             self.default_thresholds = dict(self.BUNDLED_THRESHOLDS)
-        self.embed_model = embed_model
-        self.name = f"bi-encoder:{embed_model.model_name}"
         self._cache: "OrderedDict[str, np.ndarray]" = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()

@@ -1,0 +1,101 @@
+"""In-process llama.cpp generation with the bundled SmolLM2 GGUF (ChatML prompts, schema-bound JSON)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any, Dict, Optional, Sequence, Type
+
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.llms import ChatMessage
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.types import Model
+
+try:
+    from llama_index.llms.llama_cpp import LlamaCPP
+except ImportError as exc:  # the optional [local] extra
+    raise ImportError(
+        "in-process generation needs llama.cpp: pip install 'llama-index-crag[local]'"
+    ) from exc
+
+from llama_index_crag.models import bundled_gguf_path
+
+
+def chatml_messages_to_prompt(messages: Sequence[ChatMessage]) -> str:
+    """SmolLM2's chat template (ChatML)."""
+    turns = [f"<|im_start|>{m.role.value}\n{m.content or ''}<|im_end|>\n" for m in messages]
+    return "".join(turns) + "<|im_start|>assistant\n"
+
+
+def chatml_completion_to_prompt(completion: str) -> str:
+    """A single user turn in ChatML."""
+    return chatml_messages_to_prompt([ChatMessage(role="user", content=completion)])
+
+
+class BundledLlamaCPP(LlamaCPP):
+    """llama.cpp with ChatML prompts, a lock, and grammar-constrained structured output.
+
+    ``structured_predict`` constrains decoding with a grammar compiled from the output
+    model's JSON schema, so even a 135M model returns valid JSON for the schema.
+    Calls to the model are serialised: llama.cpp contexts are not thread-safe.
+    """
+
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    def __init__(self, model_path: Optional[str] = None, context_window: int = 4096, **kwargs: Any) -> None:
+        kwargs.setdefault("temperature", 0.0)
+        kwargs.setdefault("max_new_tokens", 128)
+        kwargs.setdefault("model_kwargs", {"seed": 0, "n_threads": 2})
+        super().__init__(
+            model_path=str(model_path or bundled_gguf_path()),
+            context_window=context_window,
+            messages_to_prompt=chatml_messages_to_prompt,
+            completion_to_prompt=chatml_completion_to_prompt,
+            verbose=False,
+            **kwargs,
+        )
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "BundledLlamaCPP"
+
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        with self._lock:
+            return super().complete(prompt, formatted=formatted, **kwargs)
+
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        lock = self._lock
+        with lock:
+            inner = super().stream_complete(prompt, formatted=formatted, **kwargs)
+
+        def locked() -> Any:
+            with lock:
+                yield from inner
+
+        return locked()
+
+    def structured_predict(
+        self,
+        output_cls: Type[Model],
+        prompt: PromptTemplate,
+        llm_kwargs: Optional[Dict[str, Any]] = None,
+        **prompt_args: Any,
+    ) -> Model:
+        from llama_cpp import LlamaGrammar
+
+        schema = json.dumps(output_cls.model_json_schema())
+        grammar = LlamaGrammar.from_json_schema(schema, verbose=False)
+        text = self.completion_to_prompt(prompt.format(llm=self, **prompt_args))
+        with self._lock:
+            out = self._model(prompt=text, grammar=grammar, max_tokens=self.max_new_tokens, temperature=0.0)
+        return output_cls.model_validate_json(out["choices"][0]["text"])
+
+    async def astructured_predict(
+        self,
+        output_cls: Type[Model],
+        prompt: PromptTemplate,
+        llm_kwargs: Optional[Dict[str, Any]] = None,
+        **prompt_args: Any,
+    ) -> Model:
+        return await asyncio.to_thread(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)

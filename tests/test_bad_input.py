@@ -1,0 +1,131 @@
+"""Bad input gets a clear outcome: a named error or an explicit abstention, never a crash or a hang."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import pytest
+from llama_index.core import VectorStoreIndex
+from llama_index.core.schema import TextNode
+from llama_index.llms.ollama import Ollama
+
+from llama_index_crag import CorrectiveQueryEngine, GenerationError, InvalidQueryError
+
+from .conftest import ALPHA, FixedRetriever, ScriptedLLM
+
+
+@pytest.fixture(scope="module")
+def engine(sample_index: VectorStoreIndex) -> CorrectiveQueryEngine:
+    return CorrectiveQueryEngine.from_defaults(index=sample_index, llm=ScriptedLLM(), fallback_sources=("bm25",))
+
+
+@pytest.mark.parametrize("query", ["", "   ", "\n\t"])
+def test_empty_or_blank_query_is_refused(engine: CorrectiveQueryEngine, query: str) -> None:
+    with pytest.raises(InvalidQueryError, match="the query is empty"):
+        engine.query(query)
+
+
+async def test_empty_query_is_refused_async(engine: CorrectiveQueryEngine) -> None:
+    with pytest.raises(InvalidQueryError):
+        await engine.aquery(" ")
+
+
+def test_a_100k_character_query_is_refused_with_the_limit_named(engine: CorrectiveQueryEngine) -> None:
+    with pytest.raises(InvalidQueryError, match=r"100,000 characters, over the limit of 8,000"):
+        engine.query("churn " * 16_666 + "Q1?!")
+
+
+def test_the_query_limit_is_a_setting(sample_index: VectorStoreIndex) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, llm=ScriptedLLM(), fallback_sources=("bm25",), max_query_chars=20_000
+    )
+    response = engine.query("What is the churn of Harbor Pro? " * 300)
+    assert response.metadata["crag"]["action"] in ("correct", "ambiguous", "incorrect")
+
+
+def test_an_empty_index_abstains(embed_model: Any) -> None:
+    llm = ScriptedLLM()
+    engine = CorrectiveQueryEngine.from_defaults(index=VectorStoreIndex([], embed_model=embed_model), llm=llm)
+    response = engine.query("What is the churn of Harbor Pro?")
+    trace = response.metadata["crag"]
+    assert trace["abstained"] and trace["nodes"] == []
+    assert llm.calls["answer"] == 0
+
+
+def test_nodes_with_empty_text_are_graded_zero_and_never_reach_the_generator(embed_model: Any) -> None:
+    nodes = [TextNode(id_="blank", text=""), TextNode(id_="space", text="   "), ALPHA]
+    engine = CorrectiveQueryEngine.from_defaults(
+        retriever=FixedRetriever(nodes), nodes=nodes, llm=ScriptedLLM(), embed_model=embed_model
+    )
+    response = engine.query("What is the alpha project budget?")
+    scores = {n["node_id"]: n["score"] for n in response.metadata["crag"]["nodes"]}
+    assert scores["blank"] == 0.0 and scores["space"] == 0.0
+    assert [n.node.node_id for n in response.source_nodes] == ["alpha"]
+
+
+def test_non_english_text_gets_a_trace_not_a_crash(embed_model: Any) -> None:
+    nodes = [
+        TextNode(text="Le budget du projet alpha pour 2024 est de 3,2 millions d'euros."),
+        TextNode(text="ハーバー社の本社はポートランドにあります。"),
+        TextNode(text="Бюджет проекта альфа утвердил совет директоров в марте."),
+    ]
+    engine = CorrectiveQueryEngine.from_defaults(nodes=nodes, llm=ScriptedLLM(), embed_model=embed_model)
+    for question in ("Quel est le budget du projet alpha ?", "本社はどこですか？", "Кто утвердил бюджет?"):
+        trace = engine.query(question).metadata["crag"]
+        assert trace["action"] in ("correct", "ambiguous", "incorrect")
+        assert len(trace["nodes"]) >= 1
+
+
+def _dead_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_dead_ollama_server_is_named_in_the_error(sample_index: VectorStoreIndex) -> None:
+    url = f"http://127.0.0.1:{_dead_port()}"
+    llm = Ollama(model="qwen2.5:3b", base_url=url, request_timeout=5, context_window=4096)
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llm, fallback_sources=("bm25",))
+    started = time.monotonic()
+    with pytest.raises(GenerationError, match=f"qwen2.5:3b at {url}"):
+        engine.query("Who is the chief executive officer of Harbor Analytics?")
+    assert time.monotonic() - started < 10
+
+
+def test_a_dead_ollama_server_on_the_rewrite_path_abstains(sample_index: VectorStoreIndex) -> None:
+    url = f"http://127.0.0.1:{_dead_port()}"
+    llm = Ollama(model="qwen2.5:3b", base_url=url, request_timeout=5, context_window=4096)
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llm, fallback_sources=("bm25",))
+    trace = engine.query("What is the boiling point of mercury?").metadata["crag"]
+    assert trace["abstained"] and "the query rewrite failed" in trace["abstain_reason"]
+    assert f"qwen2.5:3b at {url}" in trace["abstain_reason"]
+
+
+def test_an_llm_that_returns_garbage_for_the_rewrite_abstains(sample_index: VectorStoreIndex) -> None:
+    llm = ScriptedLLM(rewrite="\x00\x01 ]]} not json {{[")
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llm, fallback_sources=("bm25",))
+    trace = engine.query("What is the boiling point of mercury?").metadata["crag"]
+    assert trace["abstained"] and "not valid JSON" in trace["abstain_reason"]
+
+
+def test_an_llm_that_answers_garbage_is_passed_through_with_its_sources(sample_index: VectorStoreIndex) -> None:
+    class Garbage(ScriptedLLM):
+        def _text(self, prompt: str) -> str:
+            return "\ufffd\x00{{{"
+
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=Garbage(), fallback_sources=("bm25",))
+    response = engine.query("Who is the chief executive officer of Harbor Analytics?")
+    assert str(response) == "\ufffd\x00{{{"
+    assert response.source_nodes and not response.metadata["crag"]["abstained"]
+
+
+def test_unknown_settings_are_refused_by_name(sample_index: VectorStoreIndex) -> None:
+    with pytest.raises(TypeError, match="max_rewrite"):
+        CorrectiveQueryEngine.from_defaults(index=sample_index, llm=ScriptedLLM(), max_rewrite=2)
+
+
+def test_an_engine_without_anything_to_search_says_so() -> None:
+    with pytest.raises(ValueError, match="index=, retriever= or nodes="):
+        CorrectiveQueryEngine.from_defaults(llm=ScriptedLLM())
