@@ -1,0 +1,193 @@
+"""The real generators and cross-encoders: llama.cpp in process, Ollama over HTTP, both cross-encoder libraries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from llama_index.core import VectorStoreIndex
+from llama_index.core.postprocessor import SentenceTransformerRerank
+from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.llms.ollama import Ollama
+
+from llama_index_crag import CorrectiveQueryEngine, RewrittenQuery
+from llama_index_crag.models import bundled_embedding_path
+from llama_index_crag.rewrite import DEFAULT_REWRITE_PROMPT
+from llama_index_crag.scorers import CrossEncoderScorer, UpstreamScoreScorer
+
+from .conftest import ALPHA, BETA, GAMMA, FixedRetriever, ScriptedLLM
+from .ollama_server import OllamaServer
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_llm() -> Any:
+    from llama_index_crag.llamacpp import BundledLlamaCPP
+
+    return BundledLlamaCPP()
+
+
+def test_bundled_llama_cpp_returns_schema_valid_json_for_the_rewrite(llama_cpp_llm: Any) -> None:
+    result = llama_cpp_llm.structured_predict(
+        RewrittenQuery, DEFAULT_REWRITE_PROMPT, query="What was Harbor Pro churn in Q1 excl. trials?"
+    )
+    assert isinstance(result, RewrittenQuery) and result.query.strip()
+
+
+def test_engine_generates_with_llama_cpp_and_abstains_off_topic(sample_index: VectorStoreIndex, llama_cpp_llm: Any) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llama_cpp_llm, fallback_sources=("bm25",))
+    answered = engine.query("Who is the chief executive officer of Harbor Analytics?")
+    assert not answered.metadata["crag"]["abstained"] and len(str(answered).strip()) > 3
+    assert answered.metadata["crag"]["timings_ms"]["generate"] > 0
+    off_topic = engine.query("Who won the 1998 FIFA World Cup?").metadata["crag"]
+    assert off_topic["action"] == "incorrect" and off_topic["abstained"]
+
+
+@pytest.fixture(scope="module")
+def ollama() -> Iterator[OllamaServer]:
+    with OllamaServer(model_name="smollm2") as server:
+        yield server
+
+
+def test_engine_through_the_ollama_client_answers_streams_and_rewrites(
+    sample_index: VectorStoreIndex, ollama: OllamaServer
+) -> None:
+    llm = Ollama(model="smollm2", base_url=ollama.url, request_timeout=120, context_window=2048)
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llm, fallback_sources=("bm25",))
+    answered = engine.query("Who is the chief executive officer of Harbor Analytics?")
+    assert not answered.metadata["crag"]["abstained"] and str(answered).strip()
+
+    streaming = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, llm=llm, streaming=True, fallback_sources=("bm25",)
+    )
+    tokens = list(streaming.query("Where are the headquarters of Harbor Analytics?").response_gen)
+    assert len(tokens) > 1
+
+    before = len(ollama.requests)
+    trace = engine.query("How much does the premium tier cost per seat for the enterprise product?").metadata["crag"]
+    chat_requests = [body for path, body in ollama.requests[before:] if path == "/api/chat"]
+    if trace["action"] == "incorrect":
+        assert chat_requests[0]["format"]["properties"]["query"]["type"] == "string"
+        assert trace["rewritten_query"] or trace["rewrite_error"]
+
+
+def test_a_hung_ollama_server_fails_the_generation_within_its_timeout(sample_index: VectorStoreIndex) -> None:
+    with OllamaServer(model_name="smollm2", mode="hang") as server:
+        llm = Ollama(model="smollm2", base_url=server.url, request_timeout=2, context_window=2048)
+        engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llm, fallback_sources=("bm25",))
+        from llama_index_crag import GenerationError
+
+        with pytest.raises(GenerationError, match=f"smollm2 at {server.url}"):
+            engine.query("Who is the chief executive officer of Harbor Analytics?")
+
+
+def test_garbage_from_an_ollama_server_on_the_rewrite_path_abstains(sample_index: VectorStoreIndex) -> None:
+    with OllamaServer(model_name="smollm2", mode="garbage") as server:
+        llm = Ollama(model="smollm2", base_url=server.url, request_timeout=10, context_window=2048)
+        engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llm, fallback_sources=("bm25",))
+        trace = engine.query("What is the boiling point of mercury?").metadata["crag"]
+        assert trace["abstained"] and "rewrite" in trace["abstain_reason"]
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cross-encoder built locally from the bundled MiniLM weights (untrained head: plumbing only)."""
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("cross-encoder")
+    CrossEncoder(str(bundled_embedding_path()), num_labels=1).save(str(path))
+    return path
+
+
+def test_both_cross_encoder_backends_load_a_local_path_and_agree(cross_encoder_dir: Path) -> None:
+    texts = [ALPHA.text, BETA.text, GAMMA.text]
+    st = CrossEncoderScorer(str(cross_encoder_dir), backend="sentence-transformers")
+    flag = CrossEncoderScorer(str(cross_encoder_dir), backend="flagembedding")
+    st_scores = st.score_texts("alpha project budget", texts)
+    flag_scores = flag.score_texts("alpha project budget", texts)
+    assert all(0.0 < s < 1.0 for s in st_scores)
+    assert st_scores == pytest.approx(flag_scores, abs=1e-3)
+    assert st.name != flag.name
+
+
+def test_an_unknown_backend_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown cross-encoder backend 'onnx'"):
+        CrossEncoderScorer("x", backend="onnx")  # type: ignore[arg-type]
+
+
+def test_grading_reuses_an_upstream_cross_encoder_rerank(cross_encoder_dir: Path) -> None:
+    reranker = SentenceTransformerRerank(model=str(cross_encoder_dir), top_n=3, device="cpu")
+    scorer = UpstreamScoreScorer.from_reranker(reranker)
+    reranked = reranker.postprocess_nodes([NodeWithScore(node=n) for n in (ALPHA, BETA)], query_str="alpha budget")
+    direct = CrossEncoderScorer(str(cross_encoder_dir)).score_texts("alpha budget", [n.node.text for n in reranked])
+    assert scorer.score_nodes(QueryBundle("alpha budget"), reranked) == pytest.approx(direct, abs=1e-4)
+    assert scorer.score_texts("alpha budget", [ALPHA.text]) == pytest.approx(direct[:1] if reranked[0].node is ALPHA
+                                                                            else direct[1:], abs=1e-4)
+    engine = CorrectiveQueryEngine.from_defaults(
+        retriever=FixedRetriever([ALPHA, BETA]), llm=ScriptedLLM(), scorer=scorer,
+        node_postprocessors=[reranker], upper=0.99, lower=0.0, nodes=[ALPHA, BETA],
+    )
+    trace = engine.query("alpha budget").metadata["crag"]
+    assert sorted(n["score"] for n in trace["nodes"]) == pytest.approx(sorted(direct), abs=1e-3)
+
+
+def test_flag_embedding_reranker_scores_are_read_as_logits(cross_encoder_dir: Path) -> None:
+    from llama_index.postprocessor.flag_embedding_reranker import FlagEmbeddingReranker
+
+    reranker = FlagEmbeddingReranker(model=str(cross_encoder_dir), top_n=2, use_fp16=False)
+    scorer = UpstreamScoreScorer.from_reranker(reranker)
+    assert "sigmoid" in scorer.normalization
+    reranked = reranker.postprocess_nodes([NodeWithScore(node=n) for n in (ALPHA, BETA)], query_str="alpha budget")
+    scores = scorer.score_nodes(QueryBundle("alpha budget"), reranked)
+    direct = CrossEncoderScorer(str(cross_encoder_dir), backend="flagembedding").score_texts(
+        "alpha budget", [n.node.text for n in reranked]
+    )
+    assert scores == pytest.approx(direct, abs=1e-3)
+
+
+@pytest.mark.parametrize("script", ["quickstart.py", "chat_engine.py"])
+def test_examples_run_offline(script: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "action" in result.stdout
+
+
+def test_flag_reranker_example_runs_with_a_local_model(cross_encoder_dir: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "flag_reranker_grader.py"), "--model", str(cross_encoder_dir)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_demo_command_answers_and_abstains(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from llama_index_crag.datasets import SAMPLE_DIR
+
+    shutil.copy(SAMPLE_DIR / "corpus.jsonl", tmp_path / "corpus.jsonl")
+    questions = [
+        {"qid": "a", "question": "Who is the CEO of Harbor Analytics?", "answers": ["Miriam Okafor"],
+         "answerable": True, "relevant_doc_ids": ["harbor-001"]},
+        {"qid": "b", "question": "Who won the 1998 FIFA World Cup?", "answers": [], "answerable": False,
+         "relevant_doc_ids": []},
+    ]
+    (tmp_path / "questions.jsonl").write_text("\n".join(json.dumps(q) for q in questions))
+    result = subprocess.run(
+        [sys.executable, "-m", "llama_index_crag.cli", "demo", "--dataset", str(tmp_path),
+         "--ollama-url", "http://127.0.0.1:9"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "using in-process llama.cpp" in result.stdout
+    assert result.stdout.count("action: ") == 2 and "abstained on 1." in result.stdout
