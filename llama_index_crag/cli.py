@@ -32,7 +32,9 @@ def _demo(args: argparse.Namespace) -> int:
         index=index, llm=llm, enabled=False if args.disable_crag else None, calibration_path=args.calibration
     )
     s = engine.settings
-    print(f"CRAG {'on' if s.enabled else 'off'}: scorer {engine.grader.scorer.name}, upper={s.upper}, lower={s.lower}\n")
+    print(
+        f"CRAG {'on' if s.enabled else 'off'}: scorer {engine.grader.scorer.name}, upper={s.upper}, lower={s.lower}\n"
+    )
     rows = []
     for q in tqdm(questions, desc="questions", disable=not args.progress):
         response = engine.query(q.question)

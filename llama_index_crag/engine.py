@@ -132,7 +132,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         calibration_path: Optional[str] = None,
         callback_manager: Optional[CallbackManager] = None,
         **settings: Any,
-    ) -> "CorrectiveQueryEngine":
+    ) -> CorrectiveQueryEngine:
         """Build the engine around what the user already has.
 
         Give an ``index``, a ``retriever`` or ``nodes`` (an in-memory vector index is
@@ -451,7 +451,11 @@ def _abstention(text: str, streaming: bool, is_async: bool) -> RESPONSE_TYPE:
             yield text
 
         return AsyncStreamingResponse(response_gen=once(), source_nodes=[])
-    return StreamingResponse(response_gen=iter([text]), source_nodes=[], response_txt=None)
+
+    def single() -> Generator[str, None, None]:
+        yield text
+
+    return StreamingResponse(response_gen=single(), source_nodes=[])
 
 
 def _run_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float]) -> Any:

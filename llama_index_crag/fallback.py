@@ -55,7 +55,7 @@ class FallbackRetriever(BaseRetriever):
         embed_model: Optional[BaseEmbedding] = None,
         window_size: int = 3,
         mode: Mode = "chain",
-    ) -> "FallbackRetriever":
+    ) -> FallbackRetriever:
         """Build the standard sources over the same nodes as the primary index.
 
         ``"bm25"`` is a BM25 index over the nodes (catches exact terms, codes and names

@@ -65,7 +65,9 @@ class RelevanceGrader(BaseNodePostprocessor):
     upper: float = Field(description="Batch score at or above which retrieval is CORRECT.")
     lower: float = Field(description="Batch score below which retrieval is INCORRECT.")
     aggregation: Aggregation = Field(default="max", description="How node scores become the batch score.")
-    min_relevant: int = Field(default=2, ge=1, description="For aggregation='count': candidates that must clear a band.")
+    min_relevant: int = Field(
+        default=2, ge=1, description="For aggregation='count': candidates that must clear a band."
+    )
     _scorer: RelevanceScorer = PrivateAttr()
 
     def __init__(

@@ -15,9 +15,7 @@ from llama_index.core.types import Model
 try:
     from llama_index.llms.llama_cpp import LlamaCPP
 except ImportError as exc:  # the optional [local] extra
-    raise ImportError(
-        "in-process generation needs llama.cpp: pip install 'llama-index-crag[local]'"
-    ) from exc
+    raise ImportError("in-process generation needs llama.cpp: pip install 'llama-index-crag[local]'") from exc
 
 from llama_index_crag.models import bundled_gguf_path
 
@@ -98,4 +96,4 @@ class BundledLlamaCPP(LlamaCPP):
         llm_kwargs: Optional[Dict[str, Any]] = None,
         **prompt_args: Any,
     ) -> Model:
-        return await asyncio.to_thread(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)
+        return await asyncio.to_thread(lambda: self.structured_predict(output_cls, prompt, llm_kwargs, **prompt_args))

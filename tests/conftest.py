@@ -8,8 +8,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import pytest
 from llama_index.core import VectorStoreIndex
 from llama_index.core.base.base_retriever import BaseRetriever
-from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.base.llms.types import CompletionResponse, CompletionResponseGen, LLMMetadata
+from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode

@@ -196,7 +196,7 @@ def test_max_rewrites_caps_the_loop() -> None:
 
     def rewrite(prompt: str) -> str:
         seen.append(prompt)
-        return '{"query": "cafeteria lunch %d"}' % len(seen)
+        return f'{{"query": "cafeteria lunch {len(seen)}"}}'
 
     llm = ScriptedLLM(rewrite=rewrite)
     engine = make_engine(MarkerScorer({"alpha project budget for 2024": 0.9}), llm, max_rewrites=3)

@@ -20,8 +20,19 @@ from llama_index_crag.datasets import load_questions
 from .conftest import ScriptedLLM
 
 TRACE_FIELDS = {
-    "action", "nodes", "aggregate_score", "top_score", "thresholds", "strips_kept", "strips_dropped",
-    "rewritten_query", "fallback_sources", "abstained", "abstain_reason", "timings_ms", "scorer",
+    "action",
+    "nodes",
+    "aggregate_score",
+    "top_score",
+    "thresholds",
+    "strips_kept",
+    "strips_dropped",
+    "rewritten_query",
+    "fallback_sources",
+    "abstained",
+    "abstain_reason",
+    "timings_ms",
+    "scorer",
 }
 
 

@@ -28,8 +28,12 @@ def nws(*nodes: TextNode) -> List[NodeWithScore]:
 
 @pytest.mark.parametrize(
     ("aggregation", "scores", "verdict"),
-    [("max", [0.9, 0.1, 0.1], "correct"), ("mean", [0.9, 0.1, 0.1], "ambiguous"), ("count", [0.9, 0.1, 0.1], "incorrect"),
-     ("count", [0.9, 0.8, 0.1], "correct")],
+    [
+        ("max", [0.9, 0.1, 0.1], "correct"),
+        ("mean", [0.9, 0.1, 0.1], "ambiguous"),
+        ("count", [0.9, 0.1, 0.1], "incorrect"),
+        ("count", [0.9, 0.8, 0.1], "correct"),
+    ],
 )
 def test_aggregation_decides_the_batch_verdict(aggregation: str, scores: List[float], verdict: str) -> None:
     nodes = [TextNode(text=f"passage {i} score{s}") for i, s in enumerate(scores)]
@@ -129,8 +133,9 @@ def test_refiner_with_the_real_scorer_keeps_the_answering_sentence() -> None:
 
 
 def test_fallback_chain_tags_sources_and_first_mode_stops_early(embed_model: Any) -> None:
-    chained = FallbackRetriever.from_nodes(CORPUS, sources=("bm25", "sentence_window"), similarity_top_k=4,
-                                           embed_model=embed_model, window_size=1)
+    chained = FallbackRetriever.from_nodes(
+        CORPUS, sources=("bm25", "sentence_window"), similarity_top_k=4, embed_model=embed_model, window_size=1
+    )
     hits = chained.retrieve("Porto office opening year")
     sources = {h.node.metadata["crag_source"] for h in hits}
     assert sources == {"bm25", "sentence_window"}

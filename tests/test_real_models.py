@@ -39,7 +39,9 @@ def test_bundled_llama_cpp_returns_schema_valid_json_for_the_rewrite(llama_cpp_l
     assert isinstance(result, RewrittenQuery) and result.query.strip()
 
 
-def test_engine_generates_with_llama_cpp_and_abstains_off_topic(sample_index: VectorStoreIndex, llama_cpp_llm: Any) -> None:
+def test_engine_generates_with_llama_cpp_and_abstains_off_topic(
+    sample_index: VectorStoreIndex, llama_cpp_llm: Any
+) -> None:
     engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llama_cpp_llm, fallback_sources=("bm25",))
     answered = engine.query("Who is the chief executive officer of Harbor Analytics?")
     assert not answered.metadata["crag"]["abstained"] and len(str(answered).strip()) > 3
@@ -128,11 +130,17 @@ def test_grading_reuses_an_upstream_cross_encoder_rerank(cross_encoder_dir: Path
     reranked = reranker.postprocess_nodes([NodeWithScore(node=n) for n in (ALPHA, BETA)], query_str="alpha budget")
     direct = CrossEncoderScorer(str(cross_encoder_dir)).score_texts("alpha budget", [n.node.text for n in reranked])
     assert scorer.score_nodes(QueryBundle("alpha budget"), reranked) == pytest.approx(direct, abs=1e-4)
-    assert scorer.score_texts("alpha budget", [ALPHA.text]) == pytest.approx(direct[:1] if reranked[0].node is ALPHA
-                                                                            else direct[1:], abs=1e-4)
+    assert scorer.score_texts("alpha budget", [ALPHA.text]) == pytest.approx(
+        direct[:1] if reranked[0].node is ALPHA else direct[1:], abs=1e-4
+    )
     engine = CorrectiveQueryEngine.from_defaults(
-        retriever=FixedRetriever([ALPHA, BETA]), llm=ScriptedLLM(), scorer=scorer,
-        node_postprocessors=[reranker], upper=0.99, lower=0.0, nodes=[ALPHA, BETA],
+        retriever=FixedRetriever([ALPHA, BETA]),
+        llm=ScriptedLLM(),
+        scorer=scorer,
+        node_postprocessors=[reranker],
+        upper=0.99,
+        lower=0.0,
+        nodes=[ALPHA, BETA],
     )
     trace = engine.query("alpha budget").metadata["crag"]
     assert sorted(n["score"] for n in trace["nodes"]) == pytest.approx(sorted(direct), abs=1e-3)
@@ -164,7 +172,10 @@ def test_examples_run_offline(script: str) -> None:
 def test_flag_reranker_example_runs_with_a_local_model(cross_encoder_dir: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "flag_reranker_grader.py"), "--model", str(cross_encoder_dir)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-2000:]
 
@@ -177,16 +188,37 @@ def test_the_demo_command_answers_and_abstains(tmp_path: Path) -> None:
 
     shutil.copy(SAMPLE_DIR / "corpus.jsonl", tmp_path / "corpus.jsonl")
     questions = [
-        {"qid": "a", "question": "Who is the CEO of Harbor Analytics?", "answers": ["Miriam Okafor"],
-         "answerable": True, "relevant_doc_ids": ["harbor-001"]},
-        {"qid": "b", "question": "Who won the 1998 FIFA World Cup?", "answers": [], "answerable": False,
-         "relevant_doc_ids": []},
+        {
+            "qid": "a",
+            "question": "Who is the CEO of Harbor Analytics?",
+            "answers": ["Miriam Okafor"],
+            "answerable": True,
+            "relevant_doc_ids": ["harbor-001"],
+        },
+        {
+            "qid": "b",
+            "question": "Who won the 1998 FIFA World Cup?",
+            "answers": [],
+            "answerable": False,
+            "relevant_doc_ids": [],
+        },
     ]
     (tmp_path / "questions.jsonl").write_text("\n".join(json.dumps(q) for q in questions))
     result = subprocess.run(
-        [sys.executable, "-m", "llama_index_crag.cli", "demo", "--dataset", str(tmp_path),
-         "--ollama-url", "http://127.0.0.1:9"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "llama_index_crag.cli",
+            "demo",
+            "--dataset",
+            str(tmp_path),
+            "--ollama-url",
+            "http://127.0.0.1:9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "using in-process llama.cpp" in result.stdout

@@ -38,9 +38,7 @@ class RelevanceScorer(ABC):
     def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
         """Score raw passages (used for knowledge strips)."""
 
-    def score_nodes(
-        self, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]
-    ) -> List[float]:
+    def score_nodes(self, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]) -> List[float]:
         """Score retrieved nodes. Empty passages score 0 without a model call."""
         texts = [node_text(n) for n in nodes]
         return self._score_nonempty(query_bundle, texts)

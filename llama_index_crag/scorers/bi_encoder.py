@@ -12,7 +12,6 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 
 from llama_index_crag.scorers.base import RelevanceScorer
 
-
 BUNDLED_MODEL_NAME = "all-MiniLM-L6-v2"
 
 
@@ -41,7 +40,7 @@ class BiEncoderScorer(RelevanceScorer):
         if self.embed_model.model_name == str(bundled_embedding_path()):
             self.name = f"bi-encoder:{BUNDLED_MODEL_NAME}"
             self.default_thresholds = dict(self.BUNDLED_THRESHOLDS)
-        self._cache: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 

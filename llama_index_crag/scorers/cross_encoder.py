@@ -46,8 +46,7 @@ class CrossEncoderScorer(RelevanceScorer):
                 from sentence_transformers import CrossEncoder
             except ImportError as exc:
                 raise ImportError(
-                    "CrossEncoderScorer needs sentence-transformers: "
-                    "pip install 'llama-index-crag[cross-encoder]'"
+                    "CrossEncoderScorer needs sentence-transformers: pip install 'llama-index-crag[cross-encoder]'"
                 ) from exc
             self._model = CrossEncoder(model, max_length=max_length, device=device)
         elif backend == "flagembedding":
@@ -59,9 +58,7 @@ class CrossEncoderScorer(RelevanceScorer):
                     "(with transformers<5, sentence-transformers<6): "
                     "pip install 'llama-index-crag[flagembedding]'"
                 ) from exc
-            self._model = FlagReranker(
-                model, use_fp16=False, max_length=max_length, devices=device or "cpu"
-            )
+            self._model = FlagReranker(model, use_fp16=False, max_length=max_length, devices=device or "cpu")
         else:
             raise ValueError(
                 f"unknown cross-encoder backend {backend!r}: use 'sentence-transformers' or 'flagembedding'"

@@ -51,11 +51,9 @@ class UpstreamScoreScorer(RelevanceScorer):
         self.name = f"upstream:{reranker.class_name() if reranker else 'scores'}:{model or 'unknown'}"
 
     @classmethod
-    def from_reranker(cls, reranker: BaseNodePostprocessor) -> "UpstreamScoreScorer":
+    def from_reranker(cls, reranker: BaseNodePostprocessor) -> UpstreamScoreScorer:
         """Reuse a known reranker's scores with the right normalisation."""
-        normalization: Normalization = (
-            "sigmoid" if reranker.class_name() == "FlagEmbeddingReranker" else "identity"
-        )
+        normalization: Normalization = "sigmoid" if reranker.class_name() == "FlagEmbeddingReranker" else "identity"
         return cls(reranker=reranker, normalization=normalization)
 
     def _normalise(self, raw: Optional[float]) -> float:
