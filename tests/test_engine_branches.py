@@ -114,7 +114,7 @@ def _raise(prompt: str) -> str:
 @pytest.mark.parametrize(
     ("rewrite", "reason"),
     [
-        (_raise, "the rewrite call failed: ConnectionError"),
+        (_raise, "failed: ConnectionError: server went away"),
         ('{"query": "   "}', "the rewrite was empty"),
         ('{"query": "how much money does project A get?"}', "returned the query unchanged"),
         ("sure! the query is alpha budget", "not valid JSON"),
