@@ -7,7 +7,7 @@ import contextvars
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Dict, Generator, List, Optional, Sequence
+from typing import Any, Awaitable, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -62,6 +62,23 @@ class CorrectiveTimeout(TimeoutError):
 
 
 _Loop = Generator[_Io, Any, Any]
+_Outcome = Tuple[Any, Optional[BaseException]]
+
+
+@dataclass
+class _Done:
+    """The loop has finished with this response."""
+
+    response: RESPONSE_TYPE
+
+
+def _advance(loop: _Loop, outcome: _Outcome) -> Union[_Io, _Done]:
+    """Hand the last step's result (or its error) back to the loop and get its next step."""
+    value, error = outcome
+    try:
+        return loop.throw(error) if error is not None else loop.send(value)
+    except StopIteration as done:
+        return _Done(done.value)
 
 
 class CorrectiveQueryEngine(BaseQueryEngine):
@@ -215,39 +232,27 @@ class CorrectiveQueryEngine(BaseQueryEngine):
     @dispatcher.span
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
         loop = self._loop(query_bundle, is_async=False)
-        value: Any = None
-        error: Optional[BaseException] = None
-        while True:
+        outcome: _Outcome = (None, None)
+        while not isinstance(step := _advance(loop, outcome), _Done):
             try:
-                step = loop.throw(error) if error is not None else loop.send(value)
-            except StopIteration as done:
-                return done.value
-            value, error = None, None
-            try:
-                value = _run_with_timeout(step.run, step.timeout_s)
+                outcome = (_run_with_timeout(step.run, step.timeout_s), None)
             except Exception as exc:
-                error = exc
+                outcome = (None, exc)
+        return step.response
 
     @dispatcher.span
     async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
         loop = self._loop(query_bundle, is_async=True)
-        value: Any = None
-        error: Optional[BaseException] = None
-        while True:
+        outcome: _Outcome = (None, None)
+        while not isinstance(step := _advance(loop, outcome), _Done):
             try:
-                step = loop.throw(error) if error is not None else loop.send(value)
-            except StopIteration as done:
-                return done.value
-            value, error = None, None
-            try:
-                if step.timeout_s is None:
-                    value = await step.arun()
-                else:
-                    value = await asyncio.wait_for(step.arun(), max(step.timeout_s, 0.0))
+                limit = None if step.timeout_s is None else max(step.timeout_s, 0.0)
+                outcome = (await asyncio.wait_for(step.arun(), limit), None)
             except asyncio.TimeoutError:
-                error = CorrectiveTimeout()
+                outcome = (None, CorrectiveTimeout())
             except Exception as exc:
-                error = exc
+                outcome = (None, exc)
+        return step.response
 
     def _loop(self, query_bundle: QueryBundle, is_async: bool) -> _Loop:
         """The corrective loop for one query; yields its I/O to the sync or async driver."""

@@ -47,25 +47,22 @@ class QueryRewriter:
         """Return the rewritten query or raise ``RewriteError``."""
         try:
             result = self.llm.structured_predict(RewrittenQuery, self.prompt, query=query)
-        except ValueError as exc:
-            raise RewriteError(f"the rewrite was not valid JSON for the schema: {exc}") from exc
         except Exception as exc:
-            raise RewriteError(
-                f"the rewrite call to {describe_llm(self.llm)} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._failure(exc) from exc
         return _checked(query, result)
 
     async def arewrite(self, query: str) -> str:
         """Async ``rewrite``: awaits the LLM."""
         try:
             result = await self.llm.astructured_predict(RewrittenQuery, self.prompt, query=query)
-        except ValueError as exc:
-            raise RewriteError(f"the rewrite was not valid JSON for the schema: {exc}") from exc
         except Exception as exc:
-            raise RewriteError(
-                f"the rewrite call to {describe_llm(self.llm)} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._failure(exc) from exc
         return _checked(query, result)
+
+    def _failure(self, exc: Exception) -> RewriteError:
+        if isinstance(exc, ValueError):  # the output parser's and pydantic's errors
+            return RewriteError(f"the rewrite was not valid JSON for the schema: {exc}")
+        return RewriteError(f"the rewrite call to {describe_llm(self.llm)} failed: {type(exc).__name__}: {exc}")
 
 
 def _checked(query: str, result: object) -> str:
