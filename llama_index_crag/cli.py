@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence
 from tqdm import tqdm
 
 from llama_index_crag.datasets import SAMPLE_DIR, Question, load_documents, load_questions
+from llama_index_crag.evaluation import add_eval_parser
 from llama_index_crag.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 
 
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print every trace as JSON")
     demo.add_argument("--progress", action="store_true", help="show a progress bar over the questions")
     demo.set_defaults(run=_demo)
+    add_eval_parser(commands)
     return parser
 
 

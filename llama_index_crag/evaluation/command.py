@@ -1,0 +1,74 @@
+"""``llama-crag eval``: the evaluation harness on the command line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from llama_index_crag.evaluation.harness import EvalConfig, run_evaluation
+from llama_index_crag.evaluation.systems import SCORERS, SYSTEMS
+from llama_index_crag.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
+
+
+def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
+    """Add the ``eval`` command to ``llama-crag``'s subparsers."""
+    parser = commands.add_parser(
+        "eval",
+        help="evaluate CRAG against plain RAG, rerank-only and an LLM-judge CRAG on a dataset",
+        description="Runs each system over the same questions and index, in corpus and out of corpus, and writes "
+        "report.md, results.json (every figure and per-question row) and PNG plots. Rows are saved as they finish: "
+        "run the same command again to resume.",
+    )
+    parser.add_argument("--dataset", required=True, help="folder with corpus.jsonl and questions.jsonl")
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all)"
+    )
+    parser.add_argument("--limit", type=int, default=None, help="ask only the first N questions")
+    parser.add_argument("--out", default=None, help="output folder (default: eval-out/<dataset name>)")
+    parser.add_argument(
+        "--no-generate",
+        action="store_true",
+        help="skip answer generation (fixed text): every figure but answer accuracy, fast over whole datasets",
+    )
+    parser.add_argument("--scorer", default="bi-encoder", choices=sorted(SCORERS), help="CRAG's relevance scorer")
+    parser.add_argument("--calibration", default=None, help="calibration JSON with CRAG's thresholds")
+    parser.add_argument("--top-k", type=int, default=5, help="chunks retrieved (plain, CRAG, LLM-judge)")
+    parser.add_argument("--rerank-top-k", type=int, default=10, help="chunks retrieved before reranking")
+    parser.add_argument("--rerank-top-n", type=int, default=3, help="chunks kept after reranking")
+    parser.add_argument("--cache-dir", default=".crag-cache", help="where corpus embeddings are cached")
+    parser.add_argument("--fresh", action="store_true", help="ignore the rows of an earlier run in --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--ollama-url", default=DEFAULT_OLLAMA_URL, help="Ollama server to try first")
+    parser.add_argument("--ollama-model", default=DEFAULT_OLLAMA_MODEL, help="Ollama model to use when it answers")
+    parser.set_defaults(run=_eval)
+    return parser
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from llama_index_crag.models import default_llm
+
+    dataset = Path(args.dataset)
+    config = EvalConfig(
+        dataset=dataset,
+        out=Path(args.out or Path("eval-out") / dataset.name),
+        systems=[s.strip() for s in args.systems.split(",") if s.strip()],
+        limit=args.limit,
+        generate=not args.no_generate,
+        scorer=args.scorer,
+        calibration=Path(args.calibration) if args.calibration else None,
+        top_k=args.top_k,
+        rerank_top_k=args.rerank_top_k,
+        rerank_top_n=args.rerank_top_n,
+        cache_dir=Path(args.cache_dir),
+        fresh=args.fresh,
+        progress=not args.no_progress,
+    )
+    llm, described = default_llm(args.ollama_url, args.ollama_model)
+    print(f"Generator: {described}.")
+    results = run_evaluation(config, llm)
+    print(f"Report: {config.out / 'report.md'}")
+    for target in results["targets"]:
+        verdict = {True: "met", False: "MISSED", None: "n/a"}[target["met"]]
+        print(f"  {verdict:>6}  {target['name']}: {target['measured']} (seed {target['seed']})")
+    return 0

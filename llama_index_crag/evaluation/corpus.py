@@ -1,0 +1,189 @@
+"""The evaluated index: embedded once and cached on disk, with a per-question view that hides gold documents."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
+
+import numpy as np
+from llama_index.core import VectorStoreIndex
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.schema import BaseNode, Document, NodeWithScore, QueryBundle
+
+from llama_index_crag.datasets import load_documents
+from llama_index_crag.evaluation.dataset import EvalQuestion, content_hash
+from llama_index_crag.fallback import FallbackRetriever
+
+#: Passages embedded between two saves of the cache, so an interrupted build loses little.
+_SAVE_EVERY = 1024
+
+
+class DiskCachedEmbedding(BaseEmbedding):
+    """An embedding model whose passage vectors persist in one ``.npz`` file, keyed by a hash of the text.
+
+    The corpus (and the fallback's sentence windows) are embedded once per dataset
+    content; later runs load the vectors. Query embeddings are never cached: they are
+    part of the retrieval time the evaluation measures.
+    """
+
+    _inner: BaseEmbedding = PrivateAttr()
+    _path: Path = PrivateAttr()
+    _vectors: Dict[str, np.ndarray] = PrivateAttr()
+    _progress: bool = PrivateAttr()
+
+    def __init__(self, inner: BaseEmbedding, path: Path, progress: bool = False) -> None:
+        super().__init__(model_name=inner.model_name, embed_batch_size=inner.embed_batch_size)
+        self._inner = inner
+        self._path = path
+        self._progress = progress
+        self._vectors = {}
+        if path.exists():
+            with np.load(path) as stored:
+                self._vectors = dict(zip(stored["keys"].tolist(), stored["vectors"]))
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "DiskCachedEmbedding"
+
+    def _get_query_embedding(self, query: str) -> Embedding:
+        return self._inner.get_query_embedding(query)
+
+    async def _aget_query_embedding(self, query: str) -> Embedding:
+        return await self._inner.aget_query_embedding(query)
+
+    def _get_text_embedding(self, text: str) -> Embedding:
+        return self.get_text_embedding_batch([text])[0]
+
+    def get_text_embedding_batch(self, texts: List[str], show_progress: bool = False, **kwargs: Any) -> List[Embedding]:
+        """Vectors of ``texts``: from the cache, embedding (shortest first, saved as it goes) what is missing."""
+        keys = [_key(t) for t in texts]
+        missing = sorted(
+            {k: t for k, t in zip(keys, texts) if k not in self._vectors}.items(), key=lambda kv: len(kv[1])
+        )
+        for start in range(0, len(missing), _SAVE_EVERY):
+            part = missing[start : start + _SAVE_EVERY]
+            if start == 0 and len(missing) > _SAVE_EVERY:
+                print(f"Embedding {len(missing):,} passages (cached in {self._path} for later runs).")
+            vectors = self._inner.get_text_embedding_batch(
+                [t for _, t in part], show_progress=show_progress or (self._progress and len(missing) > 100)
+            )
+            self._vectors.update((k, np.asarray(v, dtype=np.float32)) for (k, _), v in zip(part, vectors))
+            self._save()
+        return [self._vectors[k].tolist() for k in keys]
+
+    def _save(self) -> None:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self._path.with_name(self._path.name + ".partial.npz")
+        np.savez(partial, keys=np.array(list(self._vectors)), vectors=np.stack(list(self._vectors.values())))
+        partial.replace(self._path)
+
+
+def _key(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
+
+
+class CorpusView:
+    """Which documents the questions may see: all of them, or all but a question's gold documents.
+
+    The out-of-corpus protocol asks an answerable question of an index built without
+    its relevant documents. Re-embedding the corpus per question would cost minutes, so
+    every retriever of the evaluation reads through a ``ViewRetriever`` that drops the
+    hidden documents from a slightly wider result instead.
+    """
+
+    def __init__(self) -> None:
+        self.hidden: FrozenSet[str] = frozenset()
+
+    @contextmanager
+    def without(self, doc_ids: Iterable[str]) -> Iterator[None]:
+        """Hide ``doc_ids`` from every retriever of this view for the duration of the block."""
+        self.hidden = frozenset(doc_ids)
+        try:
+            yield
+        finally:
+            self.hidden = frozenset()
+
+
+class ViewRetriever(BaseRetriever):
+    """Retrieves through ``inner``, drops the documents the view hides, and keeps the first ``keep``."""
+
+    def __init__(self, inner: BaseRetriever, view: CorpusView, keep: int) -> None:
+        self._inner = inner
+        self._view = view
+        self._keep = keep
+        super().__init__()
+
+    def _visible(self, hits: List[NodeWithScore]) -> List[NodeWithScore]:
+        hidden = self._view.hidden
+        return [h for h in hits if h.node.metadata.get("doc_id") not in hidden][: self._keep]
+
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        return self._visible(self._inner.retrieve(query_bundle))
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        return self._visible(await self._inner.aretrieve(query_bundle))
+
+
+@dataclass
+class EvalCorpus:
+    """A dataset's vector index and fallback retriever, shared by every evaluated system.
+
+    ``margin`` is the most chunks any question's gold documents have: retrieving
+    ``keep + margin`` and dropping the hidden ones leaves ``keep`` results, exactly the
+    top ``keep`` of an index built without them.
+    """
+
+    nodes: List[BaseNode]
+    index: VectorStoreIndex
+    fallback: FallbackRetriever
+    view: CorpusView
+    margin: int
+
+    @classmethod
+    def build(
+        cls,
+        folder: Path,
+        questions: Sequence[EvalQuestion],
+        cache_dir: Path,
+        top_k: int,
+        embed_model: Optional[BaseEmbedding] = None,
+        progress: bool = False,
+    ) -> EvalCorpus:
+        """Chunk, embed (through the cache) and index the corpus, and build and warm the fallback."""
+        from llama_index_crag.models import default_embed_model
+
+        inner = embed_model or default_embed_model()
+        corpus_file = Path(folder) / "corpus.jsonl"
+        model = Path(inner.model_name).name or "model"
+        cached = DiskCachedEmbedding(
+            inner, cache_dir / "eval" / f"{Path(folder).name}-{content_hash(corpus_file)}" / f"{model}.npz", progress
+        )
+        nodes = chunk(load_documents(folder))
+        index = VectorStoreIndex(nodes, embed_model=cached, show_progress=progress)
+        per_doc = Counter(n.metadata.get("doc_id") for n in nodes)
+        margin = max((sum(per_doc[d] for d in q.question.relevant_doc_ids) for q in questions), default=0)
+        # Sentence windows of one hidden document can fill a fallback result: ask it for more.
+        fallback = FallbackRetriever.from_nodes(nodes, similarity_top_k=2 * (top_k + margin), embed_model=cached)
+        fallback.retrieve(QueryBundle("warm-up"))  # builds BM25 and embeds the sentence windows now, not in a query
+        return cls(nodes=nodes, index=index, fallback=fallback, view=CorpusView(), margin=margin)
+
+    def retriever(self, keep: int) -> BaseRetriever:
+        """The vector retriever of the top ``keep`` visible chunks."""
+        return ViewRetriever(self.index.as_retriever(similarity_top_k=keep + self.margin), self.view, keep)
+
+    def fallback_retriever(self, keep: int) -> BaseRetriever:
+        """The fallback retriever (BM25 and sentence windows) of the top ``keep`` visible results."""
+        return ViewRetriever(self.fallback, self.view, keep)
+
+
+def chunk(documents: Sequence[Document]) -> List[BaseNode]:
+    """Chunk as ``VectorStoreIndex.from_documents`` does by default, with stable ids (``doc_id#n``)."""
+    splitter = SentenceSplitter(id_func=lambda i, doc: f"{doc.doc_id}#{i}")
+    return list(splitter.get_nodes_from_documents(documents))

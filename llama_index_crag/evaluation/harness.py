@@ -1,0 +1,214 @@
+"""Runs every system over the same questions and index, in and out of corpus, and writes the report."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from llama_index.core.llms import LLM
+from llama_index.core.response_synthesizers import ResponseMode, get_response_synthesizer
+from tqdm import tqdm
+
+from llama_index_crag.engine import CorrectiveQueryEngine
+from llama_index_crag.evaluation.corpus import EvalCorpus
+from llama_index_crag.evaluation.dataset import EvalQuestion, content_hash, load_eval_questions
+from llama_index_crag.evaluation.generator import MeteredLLM, TokenCounter, generator_token_counter
+from llama_index_crag.evaluation.metrics import (
+    ANSWERABLE,
+    OUT_OF_CORPUS,
+    UNANSWERABLE,
+    make_row,
+    summarize,
+    targets,
+)
+from llama_index_crag.evaluation.report import write_report
+from llama_index_crag.evaluation.systems import SCORERS, SYSTEMS, SystemParts
+from llama_index_crag.models import describe_llm
+
+ROWS_FILE = "rows.jsonl"
+RUN_FILE = "run.json"
+
+
+@dataclass
+class EvalConfig:
+    """One evaluation run; ``command()`` is the ``llama-crag eval`` line that repeats it."""
+
+    dataset: Path
+    out: Path
+    systems: Sequence[str] = tuple(SYSTEMS)
+    limit: Optional[int] = None
+    generate: bool = True
+    scorer: str = "bi-encoder"
+    calibration: Optional[Path] = None
+    top_k: int = 5
+    rerank_top_k: int = 10
+    rerank_top_n: int = 3
+    cache_dir: Path = Path(".crag-cache")
+    fresh: bool = False
+    progress: bool = True
+    llm_name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown:
+            raise ValueError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
+        if self.scorer not in SCORERS:
+            raise ValueError(f"unknown scorer {self.scorer!r}: choose from {', '.join(SCORERS)}")
+
+    def command(self) -> str:
+        """The command line that repeats this run."""
+        parts = ["llama-crag", "eval", "--dataset", str(self.dataset), "--systems", ",".join(self.systems)]
+        if self.limit is not None:
+            parts += ["--limit", str(self.limit)]
+        if not self.generate:
+            parts.append("--no-generate")
+        if self.scorer != "bi-encoder":
+            parts += ["--scorer", self.scorer]
+        if self.calibration:
+            parts += ["--calibration", str(self.calibration)]
+        defaults = EvalConfig(dataset=self.dataset, out=self.out)
+        for name in ("top_k", "rerank_top_k", "rerank_top_n"):
+            if getattr(self, name) != getattr(defaults, name):
+                parts += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
+        parts += ["--out", str(self.out)]
+        return " ".join(shlex.quote(p) for p in parts)
+
+    def fingerprint(self) -> Dict[str, Any]:
+        """What must match for rows of an earlier run to be reused (limit and systems may differ)."""
+        dataset = Path(self.dataset)
+        return {
+            "dataset": content_hash(dataset / "corpus.jsonl", dataset / "questions.jsonl"),
+            "generate": self.generate,
+            "generator": self.llm_name,
+            "scorer": self.scorer,
+            "calibration": content_hash(self.calibration) if self.calibration else None,
+            "top_k": self.top_k,
+            "rerank": [self.rerank_top_k, self.rerank_top_n],
+        }
+
+
+Key = Tuple[str, str, str]
+
+
+def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCounter] = None) -> Dict[str, Any]:
+    """Evaluate ``config.systems`` on ``config.dataset`` and write the report under ``config.out``.
+
+    Every system answers the same queries over the same index: each question as
+    labelled (answerable or unanswerable), and each answerable question again with its
+    relevant documents hidden (out of corpus). ``llm`` is the generator; it also
+    rewrites for CRAG and judges for the LLM-judge system, even with
+    ``generate=False``, since those calls decide what those systems do.
+
+    Rows are appended to ``rows.jsonl`` as they finish; a later run with the same
+    settings reuses them, so an interrupted run resumes where it stopped.
+
+    Returns:
+        The results written to ``results.json``.
+    """
+    config.llm_name = config.llm_name or describe_llm(llm)
+    out = Path(config.out)
+    questions = load_eval_questions(config.dataset)[: config.limit]
+    done = _resume(out, config.fingerprint(), config.fresh)
+    count = count_tokens or generator_token_counter()
+    started = time.perf_counter()
+    corpus = EvalCorpus.build(
+        Path(config.dataset), questions, Path(config.cache_dir), config.top_k, progress=config.progress
+    )
+    generator = MeteredLLM(llm, count, generate=config.generate)
+    parts = SystemParts(
+        corpus=corpus,
+        make_scorer=partial(SCORERS[config.scorer], [n.get_content() for n in corpus.nodes]),
+        llm=llm,
+        synthesizer=get_response_synthesizer(llm=generator, response_mode=ResponseMode.COMPACT),
+        top_k=config.top_k,
+        rerank_top_k=config.rerank_top_k,
+        rerank_top_n=config.rerank_top_n,
+        calibration=config.calibration,
+    )
+    setup_s = time.perf_counter() - started
+    queries = [(q, ANSWERABLE if q.question.answerable else UNANSWERABLE) for q in questions] + [
+        (q, OUT_OF_CORPUS) for q in questions if q.question.answerable and q.question.relevant_doc_ids
+    ]
+    engines = {name: SYSTEMS[name](parts) for name in config.systems}
+    crag = engines.get("crag")
+    crag = crag if isinstance(crag, CorrectiveQueryEngine) else None
+    pending = [(q, kind) for q, kind in queries if any((s, kind, q.question.qid) not in done for s in engines)]
+    for engine in engines.values() if pending else ():  # loads what a system loads lazily, outside the measurement
+        engine.query(pending[0][0].question.question)
+        generator.take()
+    wall_s = dict.fromkeys(engines, 0.0)
+    names = list(engines)
+    with (out / ROWS_FILE).open("a", encoding="utf-8") as sink:
+        for i, (q, kind) in enumerate(tqdm(queries, desc="queries", unit="q", disable=not config.progress)):
+            # Every system answers each query in turn, in a rotating order, so that changes in the load on the
+            # machine fall on all systems alike.
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                key = (name, kind, q.question.qid)
+                if key not in done:
+                    started = time.perf_counter()
+                    done[key] = _ask(engines[name], name, kind, q, corpus, generator, config.generate, count)
+                    wall_s[name] += time.perf_counter() - started
+                    sink.write(json.dumps(done[key]) + "\n")
+                    sink.flush()
+    rows: List[Dict[str, Any]] = [done[(name, kind, q.question.qid)] for name in names for q, kind in queries]
+    figures = summarize(rows, config.systems)
+    results = {
+        "meta": {
+            "command": config.command(),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+            "dataset": {
+                "path": str(config.dataset),
+                "documents": len({n.metadata.get("doc_id") for n in corpus.nodes}),
+                "chunks": len(corpus.nodes),
+                "questions": len(questions),
+            },
+            "generator": config.llm_name,
+            "scorer": crag.grader.scorer.name if crag else config.scorer,
+            "thresholds": crag.settings.model_dump(include={"upper", "lower", "aggregation"}) if crag else {},
+            "setup_s": round(setup_s, 1),
+            "wall_s": {name: round(t, 1) for name, t in wall_s.items()},
+        },
+        "figures": figures,
+        "targets": [asdict(t) for t in targets(figures, rows)],
+        "rows": rows,
+    }
+    write_report(out, results)
+    return results
+
+
+def _ask(
+    engine: Any,
+    system: str,
+    kind: str,
+    question: EvalQuestion,
+    corpus: EvalCorpus,
+    generator: MeteredLLM,
+    generated: bool,
+    count: TokenCounter,
+) -> Dict[str, Any]:
+    hidden = question.question.relevant_doc_ids if kind == OUT_OF_CORPUS else ()
+    with corpus.view.without(hidden):
+        start = time.perf_counter()
+        response = engine.query(question.question.question)
+        total_ms = (time.perf_counter() - start) * 1000.0
+    return make_row(system, kind, question, response, total_ms, generator.take(), generated, count)
+
+
+def _resume(out: Path, fingerprint: Dict[str, Any], fresh: bool) -> Dict[Key, Dict[str, Any]]:
+    """Rows of an earlier run with the same fingerprint; otherwise start the folder afresh."""
+    out.mkdir(parents=True, exist_ok=True)
+    run_file, rows_file = out / RUN_FILE, out / ROWS_FILE
+    if not fresh and run_file.exists() and rows_file.exists():
+        if json.loads(run_file.read_text(encoding="utf-8")) == fingerprint:
+            rows = [json.loads(line) for line in rows_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+            return {(r["system"], r["kind"], r["qid"]): r for r in rows}
+    rows_file.write_text("", encoding="utf-8")
+    run_file.write_text(json.dumps(fingerprint, indent=2), encoding="utf-8")
+    return {}

@@ -1,0 +1,267 @@
+"""Per-question rows and the figures computed from them, and the targets they are judged against."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+from llama_index.core.base.response.schema import RESPONSE_TYPE
+from llama_index.core.schema import MetadataMode
+
+from llama_index_crag.evaluation.dataset import EvalQuestion, contains_any
+
+ANSWERABLE, UNANSWERABLE, OUT_OF_CORPUS = "answerable", "unanswerable", "out_of_corpus"
+#: Stages whose time is the generator's (excluded from pipeline time).
+LLM_STAGES = ("generate", "rewrite")
+LATENCY_STAGES = ("retrieve", "rerank", "grade", "refine", "rewrite", "fallback", "regrade", "generate", "crag_ms")
+
+
+def make_row(
+    system: str,
+    kind: str,
+    question: EvalQuestion,
+    response: RESPONSE_TYPE,
+    total_ms: float,
+    generator_input: Sequence[int],
+    generated: bool,
+    count_tokens: Callable[[str], int],
+) -> Dict[str, Any]:
+    """One system's outcome on one question, with everything the figures need (JSON-ready).
+
+    ``generator_input`` is (prompt tokens, calls) of the generator for this query.
+    """
+    trace = dict(response.metadata["crag"])  # type: ignore[index]
+    abstained = bool(trace["abstained"])
+    nodes = [] if abstained else list(response.source_nodes)
+    texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
+    doc_ids = [n.node.metadata.get("doc_id") for n in nodes]
+    tokens = [count_tokens(t) for t in texts]
+    relevant = set(question.question.relevant_doc_ids) if kind == ANSWERABLE else set()
+    answer = str(response).strip()
+    return {
+        "system": system,
+        "kind": kind,
+        "qid": question.question.qid,
+        "action": trace["action"],
+        "abstained": abstained,
+        "top_score": trace.get("top_score"),
+        "answer": answer[:500],
+        "context_doc_ids": doc_ids,
+        "context_tokens": sum(tokens),
+        "relevant_context_tokens": sum(t for t, d in zip(tokens, doc_ids) if d in relevant),
+        "answer_in_context": contains_any(" ".join(texts), question.gold_context) if kind == ANSWERABLE else None,
+        "input_tokens": generator_input[0],
+        "generator_calls": generator_input[1],
+        "judge_calls": trace.get("judge_calls", 0),
+        "correct": _correct(kind, question, abstained, answer) if generated else None,
+        "timings_ms": {**trace["timings_ms"], "total": round(total_ms, 3)},
+    }
+
+
+def _correct(kind: str, question: EvalQuestion, abstained: bool, answer: str) -> Optional[bool]:
+    if kind != ANSWERABLE:
+        return abstained
+    if abstained:
+        return False
+    return contains_any(answer, question.answers)
+
+
+def pipeline_ms(row: Dict[str, Any]) -> float:
+    """End-to-end time less the generator's own calls (generation and the LLM rewrite)."""
+    timings = row["timings_ms"]
+    return float(timings["total"] - sum(timings.get(s, 0.0) for s in LLM_STAGES))
+
+
+def _mean(values: Sequence[Any]) -> Optional[float]:
+    kept = [float(v) for v in values if v is not None]
+    return float(np.mean(kept)) if kept else None
+
+
+def _percentiles(values: Sequence[float]) -> Dict[str, float]:
+    p50, p95, p99 = np.percentile(values, [50, 95, 99]) if values else (np.nan,) * 3
+    return {"p50": round(float(p50), 2), "p95": round(float(p95), 2), "p99": round(float(p99), 2), "n": len(values)}
+
+
+def summarize(rows: Sequence[Dict[str, Any]], systems: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """The figures of each system (see ``docs/evaluation.md`` for their definitions)."""
+    plain_had_it = {
+        r["qid"] for r in rows if r["system"] == "plain" and r["kind"] == ANSWERABLE and r["answer_in_context"]
+    }
+    has_plain = any(r["system"] == "plain" for r in rows)
+    figures: Dict[str, Dict[str, Any]] = {}
+    for system in systems:
+        mine = [r for r in rows if r["system"] == system]
+        if not mine:
+            continue
+        kind = {k: [r for r in mine if r["kind"] == k] for k in (ANSWERABLE, UNANSWERABLE, OUT_OF_CORPUS)}
+        answerable = kind[ANSWERABLE]
+        given = [r for r in answerable if r["context_tokens"]]
+        actions = Counter(r["action"] for r in mine)
+        figures[system] = {
+            "queries": {k: len(v) for k, v in kind.items()},
+            "abstain_out_of_corpus": _mean([r["abstained"] for r in kind[OUT_OF_CORPUS]]),
+            "abstain_unanswerable": _mean([r["abstained"] for r in kind[UNANSWERABLE]]),
+            "false_abstention": _mean([r["abstained"] for r in answerable]),
+            "false_abstention_plain_in_context": (
+                _mean([r["abstained"] for r in answerable if r["qid"] in plain_had_it]) if has_plain else None
+            ),
+            "answer_in_context": _mean([r["answer_in_context"] for r in answerable]),
+            "context_precision": _mean([r["relevant_context_tokens"] / r["context_tokens"] for r in given]),
+            "unsupported_answers": _mean([_unsupported(r) for r in mine]),
+            "wrong_answers": _mean(
+                [None if r["correct"] is None else not r["abstained"] and not r["correct"] for r in mine]
+            ),
+            "accuracy": _mean([r["correct"] for r in mine]),
+            "accuracy_answerable": _mean([r["correct"] for r in answerable]),
+            "input_tokens": _mean([r["input_tokens"] for r in mine]),
+            "input_tokens_answered": _mean([r["input_tokens"] for r in mine if not r["abstained"]]),
+            "judge_calls": _mean([r["judge_calls"] for r in mine]),
+            "actions": {a: round(n / len(mine), 4) for a, n in sorted(actions.items())},
+            "latency_ms": {
+                **{
+                    stage: _percentiles([r["timings_ms"][stage] for r in mine if stage in r["timings_ms"]])
+                    for stage in LATENCY_STAGES
+                    if any(stage in r["timings_ms"] for r in mine)
+                },
+                "pipeline": _percentiles([pipeline_ms(r) for r in mine]),
+                "total": _percentiles([r["timings_ms"]["total"] for r in mine]),
+            },
+        }
+    return figures
+
+
+def _unsupported(row: Dict[str, Any]) -> Optional[bool]:
+    """Answered although the context cannot support it: generation-free proxy of a confident wrong answer."""
+    if row["abstained"]:
+        return False
+    if row["kind"] == ANSWERABLE:
+        return None if row["answer_in_context"] is None else not row["answer_in_context"]
+    return True
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target of the issue, with the seed's figure and ours."""
+
+    name: str
+    seed: str
+    measured: str
+    met: Optional[bool]
+
+
+# The Harbor Analytics seed case: wrong answers 31% -> 8%, context precision 52% -> 79%, generator input -37%,
+# +48 ms p95; and the protocol targets.
+SEED_WRONG, SEED_PRECISION, SEED_INPUT, SEED_P95_MS = (0.31, 0.08), (0.52, 0.79), -0.37, 48.0
+MIN_OOC_ABSTENTION, MAX_FALSE_ABSTENTION, MAX_CORRECT_PATH_RATIO = 0.90, 0.05, 1.05
+
+
+def targets(figures: Dict[str, Dict[str, Any]], rows: Sequence[Dict[str, Any]], system: str = "crag") -> List[Target]:
+    """How ``system`` fares against plain RAG on the issue's targets (empty without both in the run)."""
+    if system not in figures or "plain" not in figures:
+        return []
+    ours, base = figures[system], figures["plain"]
+    generated = ours["wrong_answers"] is not None
+    wrong_key = "wrong_answers" if generated else "unsupported_answers"
+    wrong_label = "wrong answers" if generated else "unsupported answers (answered, gold not in context)"
+    found: List[Target] = [
+        _relative(
+            f"{wrong_label}: relative cut",
+            base[wrong_key],
+            ours[wrong_key],
+            _change(*SEED_WRONG),
+            SEED_WRONG,
+            lower=True,
+        ),
+        _relative(
+            "context precision: relative gain",
+            base["context_precision"],
+            ours["context_precision"],
+            _change(*SEED_PRECISION),
+            SEED_PRECISION,
+            lower=False,
+        ),
+        _relative(
+            "generator input tokens: relative cut",
+            base["input_tokens"],
+            ours["input_tokens"],
+            SEED_INPUT,
+            None,
+            lower=True,
+        ),
+    ]
+    added = ours["latency_ms"]["total"]["p95"] - base["latency_ms"]["total"]["p95"]
+    found.append(
+        Target("p95 latency added (end to end)", f"+{SEED_P95_MS:.0f} ms", f"{added:+.0f} ms", added <= SEED_P95_MS)
+    )
+    ratio = correct_path_ratio(rows, system)
+    found.append(
+        Target(
+            "correct-path p50 pipeline time, CRAG / plain (same questions)",
+            f"<= {MAX_CORRECT_PATH_RATIO}",
+            "n/a" if ratio is None else f"{ratio:.2f}",
+            None if ratio is None else ratio <= MAX_CORRECT_PATH_RATIO,
+        )
+    )
+    ooc = ours["abstain_out_of_corpus"]
+    found.append(
+        Target(
+            "abstention on out-of-corpus questions",
+            f">= {MIN_OOC_ABSTENTION:.0%}",
+            _pct(ooc),
+            None if ooc is None else ooc >= MIN_OOC_ABSTENTION,
+        )
+    )
+    false = ours["false_abstention_plain_in_context"]
+    found.append(
+        Target(
+            "false abstention on answerable questions plain RAG had in context",
+            f"<= {MAX_FALSE_ABSTENTION:.0%}",
+            _pct(false),
+            None if false is None else false <= MAX_FALSE_ABSTENTION,
+        )
+    )
+    return found
+
+
+def correct_path_ratio(rows: Sequence[Dict[str, Any]], system: str = "crag") -> Optional[float]:
+    """p50 pipeline time of ``system`` over p50 of plain RAG, on the questions ``system`` graded correct."""
+    plain = {(r["kind"], r["qid"]): r for r in rows if r["system"] == "plain"}
+    pairs = [
+        (pipeline_ms(r), pipeline_ms(plain[(r["kind"], r["qid"])]))
+        for r in rows
+        if r["system"] == system and r["action"] == "correct" and (r["kind"], r["qid"]) in plain
+    ]
+    if not pairs:
+        return None
+    ours, base = zip(*pairs)
+    return float(np.median(ours) / np.median(base))
+
+
+def _change(before: float, after: float) -> float:
+    return (after - before) / before
+
+
+def _relative(
+    name: str,
+    base: Optional[float],
+    ours: Optional[float],
+    seed_change: float,
+    seed_pair: Optional[tuple[float, float]],
+    lower: bool,
+) -> Target:
+    seed = f"{seed_change:+.0%}" + (f" ({seed_pair[0]:.0%} -> {seed_pair[1]:.0%})" if seed_pair else "")
+    if base is None or ours is None or base == 0:
+        return Target(name, seed, "n/a", None)
+    change = _change(base, ours)
+    measured = f"{change:+.0%} ({_fmt(base)} -> {_fmt(ours)})"
+    return Target(name, seed, measured, change <= seed_change if lower else change >= seed_change)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.0%}" if value <= 1 else f"{value:.0f}"
+
+
+def _pct(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.1%}"

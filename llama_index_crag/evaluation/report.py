@@ -1,0 +1,198 @@
+"""The evaluation's outputs: a Markdown report, a JSON file of every figure and row, and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from llama_index_crag.evaluation.metrics import LATENCY_STAGES
+
+ACTIONS = ("correct", "ambiguous", "incorrect", "disabled")
+PLOTS = ("quality.png", "latency.png", "actions.png")
+
+Figures = Dict[str, Dict[str, Any]]
+
+# (label, figure key, format): the rows of the figures table. Arrows say which way is right.
+_ROWS: Sequence[Tuple[str, str, str]] = (
+    ("abstention, out of corpus (higher is right)", "abstain_out_of_corpus", "pct"),
+    ("abstention, unanswerable (higher is right)", "abstain_unanswerable", "pct"),
+    ("false abstention, answerable (lower is right)", "false_abstention", "pct"),
+    ("false abstention, answerable that plain RAG had in context", "false_abstention_plain_in_context", "pct"),
+    ("answer in context, answerable", "answer_in_context", "pct"),
+    ("context precision, answerable", "context_precision", "pct"),
+    ("unsupported answers: answered without the gold in context", "unsupported_answers", "pct"),
+    ("wrong answers: answered, and not correctly", "wrong_answers", "pct"),
+    ("answer accuracy, all queries", "accuracy", "pct"),
+    ("answer accuracy, answerable", "accuracy_answerable", "pct"),
+    ("generator input tokens per query", "input_tokens", "num"),
+    ("generator input tokens per answered query", "input_tokens_answered", "num"),
+    ("LLM judge calls per query", "judge_calls", "num"),
+)
+
+
+def write_report(out: Path, results: Dict[str, Any]) -> None:
+    """Write ``report.md``, ``results.json`` and the plots into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    _plots(out, results["figures"])
+    (out / "report.md").write_text(markdown(results), encoding="utf-8")
+
+
+def markdown(results: Dict[str, Any]) -> str:
+    """The report: how it was run, the figures, latency per stage, the targets, the plots."""
+    meta, figures = results["meta"], results["figures"]
+    systems = list(figures)
+    config, dataset = meta["config"], meta["dataset"]
+    queries = next(iter(figures.values()))["queries"] if figures else {}
+    thresholds = meta["thresholds"]
+    lines = [
+        f"# CRAG evaluation: {Path(dataset['path']).name}",
+        "",
+        "```",
+        meta["command"],
+        "```",
+        "",
+        f"Run {meta['date']}. Dataset `{dataset['path']}`: {dataset['documents']:,} documents "
+        f"({dataset['chunks']:,} chunks), {dataset['questions']:,} questions, asked as "
+        f"{queries.get('answerable', 0)} answerable, {queries.get('unanswerable', 0)} unanswerable and "
+        f"{queries.get('out_of_corpus', 0)} out-of-corpus queries (answerable questions with their relevant "
+        "documents hidden from every retriever).",
+        "",
+        f"- Generator: {meta['generator']}."
+        + (
+            ""
+            if config["generate"]
+            else " Generation skipped (`--no-generate`): each prompt is built, packed and counted, then answered "
+            "with a fixed text, so answer accuracy is not measured and `generate` time is prompt building only."
+        ),
+        f"- CRAG scorer: {meta['scorer']}"
+        + (f", thresholds upper={thresholds['upper']}, lower={thresholds['lower']}." if thresholds else "."),
+        f"- Index: bundled all-MiniLM-L6-v2, `VectorStoreIndex`, top-{config['top_k']}. Fallback: BM25 and "
+        "sentence windows over the same chunks.",
+        f"- Rerank-only: top-{config['rerank_top_k']} reranked by the same scorer, top-{config['rerank_top_n']} kept "
+        "(no cross-encoder weights exist offline; with the bi-encoder, which ranks as the index does, this is "
+        "plain RAG with a shorter context).",
+        "- LLM-judge: the generator grades each chunk yes/no (one call per chunk); any no rewrites the query and "
+        "adds the fallback's results ungraded (CorrectiveRAGPack, LangGraph's CRAG tutorial).",
+        f"- Set-up {meta['setup_s']} s; systems: " + ", ".join(f"{s} {t} s" for s, t in meta["wall_s"].items()) + ".",
+        "",
+        "## Figures",
+        "",
+        _table(
+            ["figure", *systems],
+            [[label, *(_format(figures[s][key], fmt) for s in systems)] for label, key, fmt in _ROWS],
+        ),
+        _table(
+            ["actions", *systems],
+            [[a, *(_format(figures[s]["actions"].get(a), "pct") for s in systems)] for a in ACTIONS],
+        ),
+        "## Latency (ms: p50 / p95 / p99)",
+        "",
+        _table(["stage", *systems], _latency_rows(figures, systems)),
+        "`crag_ms` is the correction's own cost (grade, refine, rewrite, fallback, regrade); `pipeline` is the "
+        "end-to-end time less the generator's calls (generation and the LLM rewrite).",
+        "",
+    ]
+    if results["targets"]:
+        lines += [
+            "## Targets: CRAG against plain RAG",
+            "",
+            _table(
+                ["target", "seed", "measured", "met"],
+                [
+                    [t["name"], t["seed"], t["measured"], {True: "yes", False: "**no**", None: "n/a"}[t["met"]]]
+                    for t in results["targets"]
+                ],
+            ),
+        ]
+    lines += ["## Plots", "", *(f"![{p[:-4]}]({p})" for p in PLOTS), ""]
+    return "\n".join(lines)
+
+
+def _latency_rows(figures: Figures, systems: List[str]) -> List[List[str]]:
+    rows = []
+    for stage in (*LATENCY_STAGES, "pipeline", "total"):
+        cells = []
+        for s in systems:
+            p = figures[s]["latency_ms"].get(stage)
+            cells.append(f"{p['p50']:.0f} / {p['p95']:.0f} / {p['p99']:.0f}" if p else "-")
+        if any(c != "-" for c in cells):
+            rows.append([f"`{stage}`", *cells])
+    return rows
+
+
+def _table(header: List[str], rows: List[List[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _format(value: Optional[float], fmt: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1%}" if fmt == "pct" else f"{value:,.1f}"
+
+
+def _plots(out: Path, figures: Figures) -> None:
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("the evaluation plots need matplotlib: pip install 'llama-index-crag[eval]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(figures)
+    quality = [(label.split(" (")[0].split(":")[0], key) for label, key, fmt in _ROWS[:7] if fmt == "pct"]
+    _bars(plt, out / "quality.png", systems, quality, lambda s, k: figures[s][k], "share of queries", "Quality")
+    stages = [
+        ("pipeline p50", ("pipeline", "p50")),
+        ("pipeline p95", ("pipeline", "p95")),
+        ("total p95", ("total", "p95")),
+    ]
+    _bars(
+        plt,
+        out / "latency.png",
+        systems,
+        stages,
+        lambda s, k: figures[s]["latency_ms"][k[0]][k[1]],
+        "milliseconds",
+        "Latency",
+    )
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bottom = [0.0] * len(systems)
+    for action in ACTIONS:
+        shares = [figures[s]["actions"].get(action, 0.0) for s in systems]
+        ax.bar(systems, shares, bottom=bottom, label=action)
+        bottom = [b + v for b, v in zip(bottom, shares)]
+    ax.set_ylabel("share of queries")
+    ax.set_title("Actions")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    fig.savefig(out / "actions.png", dpi=110)
+    plt.close(fig)
+
+
+def _bars(
+    plt: Any,
+    path: Path,
+    systems: List[str],
+    series: Sequence[Tuple[str, Any]],
+    value: Callable[[str, Any], Optional[float]],
+    ylabel: str,
+    title: str,
+) -> None:
+    """Grouped bars: one group per series, one bar per system."""
+    fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(series)), 3.8))
+    width = 0.8 / max(1, len(systems))
+    for i, system in enumerate(systems):
+        heights = [value(system, key) or 0.0 for _, key in series]
+        ax.bar([x + i * width for x in range(len(series))], heights, width, label=system)
+    ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(series))])
+    ax.set_xticklabels([label for label, _ in series], fontsize=7, rotation=15, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

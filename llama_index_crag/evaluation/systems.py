@@ -1,0 +1,135 @@
+"""The evaluated systems, all over the same index and generator: plain RAG, rerank-only, CRAG, LLM-judge CRAG."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from llama_index.core.base.base_query_engine import BaseQueryEngine
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms import LLM
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.response_synthesizers import BaseSynthesizer
+from llama_index.core.schema import NodeWithScore, QueryBundle
+
+from llama_index_crag.engine import CorrectiveQueryEngine
+from llama_index_crag.evaluation.corpus import EvalCorpus
+from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
+from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
+from llama_index_crag.settings import CragSettings
+
+#: ``--scorer`` values: CRAG's relevance scorer (and rerank-only's reranker), built from the corpus texts.
+#: A new scorer is one more line.
+SCORERS: Dict[str, Callable[[Sequence[str]], RelevanceScorer]] = {
+    "bi-encoder": lambda corpus: BiEncoderScorer(),
+}
+
+
+class ScorerRerank(BaseNodePostprocessor):
+    """Reorders candidates by a relevance scorer and keeps the best ``top_n``: the rerank-only baseline.
+
+    No cross-encoder weights exist offline, so the evaluation reranks with the scorer
+    CRAG grades with (by default the bundled bi-encoder): the two systems then differ
+    only in what they do with the scores.
+    """
+
+    top_n: int = Field(default=3, ge=1, description="Candidates kept after reranking.")
+    _scorer: RelevanceScorer = PrivateAttr()
+
+    def __init__(self, scorer: RelevanceScorer, top_n: int = 3) -> None:
+        super().__init__(top_n=top_n)
+        self._scorer = scorer
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ScorerRerank"
+
+    def _postprocess_nodes(
+        self, nodes: List[NodeWithScore], query_bundle: Optional[QueryBundle] = None
+    ) -> List[NodeWithScore]:
+        if query_bundle is None:
+            raise ValueError("ScorerRerank needs the query: pass query_bundle or query_str")
+        scores = self._scorer.score_nodes(query_bundle, nodes)
+        ranked = sorted(zip(nodes, scores), key=lambda pair: pair[1], reverse=True)[: self.top_n]
+        return [NodeWithScore(node=n.node, score=score) for n, score in ranked]
+
+
+@dataclass(frozen=True)
+class SystemParts:
+    """What every system is built from, so that they differ only in their own logic.
+
+    Each system gets its own scorer (``make_scorer``): scorers cache passage
+    embeddings, and one system must not grade from another's warm cache.
+    """
+
+    corpus: EvalCorpus
+    make_scorer: Callable[[], RelevanceScorer]
+    llm: LLM
+    synthesizer: BaseSynthesizer
+    top_k: int
+    rerank_top_k: int
+    rerank_top_n: int
+    calibration: Optional[Path]
+
+
+def plain(parts: SystemParts) -> BaseQueryEngine:
+    """Top-k, then generate (our engine with CRAG off: the ``CRAG_ENABLED=false`` baseline)."""
+    return _engine(parts, parts.top_k, enabled=False)
+
+
+def rerank(parts: SystemParts) -> BaseQueryEngine:
+    """Top-k, rerank, top-n, then generate."""
+    scorer = parts.make_scorer()
+    return _engine(
+        parts,
+        parts.rerank_top_k,
+        enabled=False,
+        scorer=scorer,
+        postprocessors=[ScorerRerank(scorer, parts.rerank_top_n)],
+    )
+
+
+def crag(parts: SystemParts) -> BaseQueryEngine:
+    """Ours: grade, then generate, refine, fall back or abstain."""
+    return _engine(parts, parts.top_k, enabled=True)
+
+
+def llm_judge(parts: SystemParts) -> BaseQueryEngine:
+    """CRAG with the generator as a per-chunk yes/no judge (CorrectiveRAGPack, LangGraph's tutorial)."""
+    return LLMJudgeQueryEngine(
+        retriever=parts.corpus.retriever(parts.top_k),
+        llm=parts.llm,
+        fallback=parts.corpus.fallback_retriever(parts.top_k),
+        response_synthesizer=parts.synthesizer,
+        abstain_text=CragSettings.model_fields["abstain_text"].default,
+    )
+
+
+#: ``--systems`` values, in the order the report shows them.
+SYSTEMS: Dict[str, Callable[[SystemParts], BaseQueryEngine]] = {
+    "plain": plain,
+    "rerank": rerank,
+    "crag": crag,
+    "llm-judge": llm_judge,
+}
+
+
+def _engine(
+    parts: SystemParts,
+    top_k: int,
+    enabled: bool,
+    scorer: Optional[RelevanceScorer] = None,
+    postprocessors: Optional[List[BaseNodePostprocessor]] = None,
+) -> CorrectiveQueryEngine:
+    return CorrectiveQueryEngine.from_defaults(
+        retriever=parts.corpus.retriever(top_k),
+        llm=parts.llm,
+        scorer=scorer or parts.make_scorer(),
+        fallback=parts.corpus.fallback_retriever(parts.top_k),
+        response_synthesizer=parts.synthesizer,
+        node_postprocessors=postprocessors,
+        calibration_path=str(parts.calibration) if parts.calibration else None,
+        enabled=enabled,
+    )

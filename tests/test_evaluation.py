@@ -1,0 +1,264 @@
+"""The evaluation harness: end to end on a tiny dataset, resuming, the out-of-corpus view, the LLM-judge baseline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+from llama_index.core.embeddings import MockEmbedding
+from llama_index.core.llms import LLM
+from llama_index.core.response_synthesizers import get_response_synthesizer
+from llama_index.core.schema import QueryBundle
+
+from llama_index_crag import FallbackRetriever
+from llama_index_crag.cli import main
+from llama_index_crag.evaluation import EvalConfig, run_evaluation
+from llama_index_crag.evaluation.corpus import EvalCorpus
+from llama_index_crag.evaluation.dataset import load_eval_questions
+from llama_index_crag.evaluation.generator import SKIPPED_ANSWER, MeteredLLM
+from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
+from llama_index_crag.evaluation.metrics import summarize
+from llama_index_crag.evaluation.report import PLOTS
+from llama_index_crag.evaluation.systems import SYSTEMS
+
+from .conftest import ALPHA, BETA, CORPUS, FixedRetriever, ScriptedLLM
+
+DOCS = {
+    "alpha": "The alpha project budget for 2024 is 3.2 million euros. It was approved in March by the board.",
+    "beta": "Lunch at the Beta cafeteria is served from noon until two in the afternoon. The menu changes weekly.",
+    "gamma": "The gamma office is in Porto. It opened in 2019 with twelve staff members and a view of the river.",
+    "delta": "The delta team maintains the billing service and the invoicing database of the company.",
+    "epsilon": "Harbor Analytics was founded in 2012 in Lisbon. Its chief executive officer is Miriam Okafor.",
+}
+QUESTIONS = [
+    {"qid": "q1", "question": "What is the alpha project budget for 2024?", "answers": ["3.2 million euros"],
+     "answerable": True, "relevant_doc_ids": ["alpha"]},
+    {"qid": "q2", "question": "In which city is the gamma office?", "answers": ["Porto"], "answerable": True,
+     "relevant_doc_ids": ["gamma"]},
+    {"qid": "q3", "question": "Who signed the lease of the gamma office?", "answers": [], "answerable": False,
+     "relevant_doc_ids": ["gamma"]},
+    {"qid": "q4", "question": "What is the boiling point of mercury?", "answers": [], "answerable": False,
+     "relevant_doc_ids": []},
+]  # fmt: skip
+
+
+class JudgingLLM(ScriptedLLM):
+    """The scripted LLM, also judging chunks and rewriting in free text.
+
+    A chunk is judged relevant when it mentions ``topic``; with no topic the judge
+    replies in prose instead of JSON.
+    """
+
+    topic: Optional[str] = "alpha"
+
+    def _text(self, prompt: str) -> str:
+        if "You are a grader" in prompt:
+            document = prompt.split("Retrieved document:")[1].split("User question:")[0]
+            self.calls["judge"] = self.calls.get("judge", 0) + 1
+            if self.topic is None:
+                return "Sure, this one looks relevant."
+            return '{"binary_score": "%s"}' % ("yes" if self.topic in document.lower() else "no")
+        if "refine a query" in prompt:
+            self.calls["refine"] = self.calls.get("refine", 0) + 1
+            return "alpha project budget"
+        return super()._text(prompt)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread: on a small, busy machine two threads wait on each other for most of each embedding."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny")
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"doc_id": d, "text": t}) + "\n" for d, t in DOCS.items()))
+    (folder / "questions.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return folder
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.fixture(scope="module")
+def evaluated(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Tuple[List[str], Path]:
+    """``llama-crag eval`` run once over the tiny dataset, every system, the scripted LLM as generator."""
+    folder = tmp_path_factory.mktemp("eval")
+    argv = ["eval", "--dataset", str(dataset), "--out", str(folder / "out"), "--cache-dir", str(folder / "cache")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("llama_index_crag.models.default_llm", lambda *args: (JudgingLLM(), "scripted"))
+        assert main([*argv, "--no-progress"]) == 0
+    return argv, folder / "out"
+
+
+def test_eval_command_writes_the_report_the_json_and_the_plots(
+    evaluated: Tuple[List[str], Path], dataset: Path
+) -> None:
+    _, out = evaluated
+    assert {"report.md", "results.json", "rows.jsonl", *PLOTS} <= {p.name for p in out.iterdir()}
+    assert all((out / p).read_bytes().startswith(b"\x89PNG") for p in PLOTS)
+    results = json.loads((out / "results.json").read_text())
+    figures = results["figures"]
+    assert list(figures) == list(SYSTEMS)
+    assert len(results["rows"]) == len(SYSTEMS) * 6  # 4 questions as labelled, 2 answerable ones out of corpus
+    for system, f in figures.items():
+        assert f["queries"] == {"answerable": 2, "unanswerable": 2, "out_of_corpus": 2}, system
+        rates = [f[k] for k in ("abstain_out_of_corpus", "abstain_unanswerable", "false_abstention", "accuracy")]
+        assert all(0.0 <= r <= 1.0 for r in rates), system
+        assert abs(sum(f["actions"].values()) - 1.0) < 1e-6
+        assert f["latency_ms"]["total"]["p50"] > 0 and f["latency_ms"]["retrieve"]["n"] == 6
+    assert figures["plain"]["answer_in_context"] == 1.0 and figures["plain"]["abstain_out_of_corpus"] == 0.0
+    assert figures["plain"]["input_tokens"] > figures["rerank"]["input_tokens"] > 0
+    assert figures["crag"]["abstain_unanswerable"] >= 0.5, "CRAG abstains at least on the off-topic question"
+    assert 4 <= figures["llm-judge"]["judge_calls"] <= 5, "one call per chunk: 5 documents, 4 with one hidden"
+    assert f"llama-crag eval --dataset {dataset}" in (out / "report.md").read_text()
+    assert "## Targets" in (out / "report.md").read_text()
+
+
+def test_the_same_command_again_reuses_the_saved_rows_and_asks_nothing(
+    evaluated: Tuple[List[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv, out = evaluated
+    before = json.loads((out / "results.json").read_text())["rows"]
+    again = JudgingLLM()
+    monkeypatch.setattr("llama_index_crag.models.default_llm", lambda *args: (again, "scripted"))
+    assert main([*argv, "--no-progress"]) == 0
+    assert json.loads((out / "results.json").read_text())["rows"] == before
+    assert again.calls == {"answer": 0, "rewrite": 0}
+
+
+def test_no_generate_measures_the_prompt_but_never_calls_the_generator(dataset: Path, tmp_path: Path) -> None:
+    llm = JudgingLLM()
+    config = EvalConfig(
+        dataset=dataset, out=tmp_path / "out", systems=["plain"], generate=False, cache_dir=tmp_path, progress=False
+    )
+    results = run_evaluation(config, llm, count_tokens=words)
+    assert llm.calls["answer"] == 0
+    assert {r["answer"] for r in results["rows"]} == {SKIPPED_ANSWER}
+    assert results["figures"]["plain"]["input_tokens"] > 20
+    assert results["figures"]["plain"]["accuracy"] is None and results["figures"]["plain"]["wrong_answers"] is None
+
+
+def test_out_of_corpus_view_hides_the_gold_documents_from_every_retriever(dataset: Path, tmp_path: Path) -> None:
+    corpus = EvalCorpus.build(dataset, load_eval_questions(dataset), tmp_path, top_k=3)
+    question = QueryBundle("What is the alpha project budget?")
+
+    def doc_ids(retriever: Any) -> List[str]:
+        return [n.node.metadata["doc_id"] for n in retriever.retrieve(question)]
+
+    assert doc_ids(corpus.retriever(3))[0] == "alpha"
+    with corpus.view.without(["alpha"]):
+        hidden = doc_ids(corpus.retriever(3))
+        fallback = doc_ids(corpus.fallback_retriever(3))
+    assert "alpha" not in hidden and len(hidden) == 3
+    assert fallback and "alpha" not in fallback
+    assert "alpha" in doc_ids(corpus.retriever(3)), "the view is restored after the block"
+
+
+class CountingEmbedding(MockEmbedding):
+    """Constant vectors; counts the passages it is asked to embed."""
+
+    passages: int = 0
+
+    def get_text_embedding_batch(self, texts: List[str], show_progress: bool = False, **kwargs: Any) -> List[Any]:
+        self.passages += len(texts)
+        return super().get_text_embedding_batch(texts, show_progress, **kwargs)
+
+
+def test_corpus_and_sentence_window_embeddings_are_computed_once_then_read_from_disk(
+    dataset: Path, tmp_path: Path
+) -> None:
+    questions = load_eval_questions(dataset)
+    first, second = CountingEmbedding(embed_dim=8), CountingEmbedding(embed_dim=8)
+    EvalCorpus.build(dataset, questions, tmp_path, top_k=3, embed_model=first)
+    assert first.passages > len(DOCS), "the chunks and the fallback's sentence windows"
+    corpus = EvalCorpus.build(dataset, questions, tmp_path, top_k=3, embed_model=second)
+    assert second.passages == 0 and len(corpus.nodes) == len(DOCS)
+
+
+def judge_engine(llm: LLM) -> LLMJudgeQueryEngine:
+    return LLMJudgeQueryEngine(
+        retriever=FixedRetriever([ALPHA, BETA]),
+        llm=llm,
+        fallback=FallbackRetriever.from_nodes(CORPUS, sources=("bm25",), similarity_top_k=2),
+        response_synthesizer=get_response_synthesizer(llm=llm),
+        abstain_text="I don't know",
+    )
+
+
+def test_llm_judge_sends_the_rewritten_query_to_the_fallback_when_any_chunk_is_judged_no() -> None:
+    llm = JudgingLLM()
+    response = judge_engine(llm).query("What is the alpha project budget?")
+    trace = response.metadata["crag"]
+    assert llm.calls["judge"] == 2 and trace["judge_calls"] == 2
+    assert trace["action"] == "ambiguous" and [n["label"] for n in trace["nodes"]] == ["correct", "incorrect"]
+    assert llm.calls["refine"] == 1 and trace["rewritten_query"] == "alpha project budget"
+    assert response.source_nodes[0].node.node_id == "alpha" and len(response.source_nodes) == 3
+    assert {"retrieve", "grade", "rewrite", "fallback", "generate"} <= set(trace["timings_ms"])
+
+
+def test_llm_judge_generates_from_the_retrieval_when_every_chunk_is_judged_yes() -> None:
+    llm = JudgingLLM(topic="the")
+    trace = judge_engine(llm).query("What is the alpha project budget?").metadata["crag"]
+    assert trace["action"] == "correct" and llm.calls.get("refine", 0) == 0 and not trace["abstained"]
+
+
+def test_an_unparsable_judgement_counts_as_no() -> None:
+    trace = judge_engine(JudgingLLM(topic=None)).query("What is the alpha project budget?").metadata["crag"]
+    assert trace["judge_failures"] == 2 and trace["action"] == "incorrect"
+
+
+def test_metered_llm_counts_each_prompt_and_skips_generation_when_asked() -> None:
+    inner = ScriptedLLM()
+    skipping = MeteredLLM(inner, words, generate=False)
+    assert skipping.complete("one two three").text == SKIPPED_ANSWER
+    assert skipping.take() == (3, 1) and skipping.take() == (0, 0)
+    assert inner.calls["answer"] == 0
+    generating = MeteredLLM(inner, words)
+    assert generating.complete("one two").text.startswith("ANSWER") and inner.calls["answer"] == 1
+    assert generating.metadata.context_window == inner.metadata.context_window
+
+
+def row(system: str, qid: str, kind: str, abstained: bool, in_context: Any, **extra: Any) -> Dict[str, Any]:
+    return {
+        "system": system, "qid": qid, "kind": kind, "abstained": abstained, "answer_in_context": in_context,
+        "action": "correct", "context_tokens": 0 if abstained else 10, "relevant_context_tokens": 0,
+        "input_tokens": 0 if abstained else 100, "judge_calls": 0, "correct": None,
+        "timings_ms": {"retrieve": 1.0, "total": 2.0}, **extra,
+    }  # fmt: skip
+
+
+def test_false_abstention_counts_only_questions_plain_rag_had_in_context() -> None:
+    rows = [
+        row("plain", "a", "answerable", False, True),
+        row("plain", "b", "answerable", False, False),
+        row("crag", "a", "answerable", False, True),
+        row("crag", "b", "answerable", True, False),
+        row("crag", "a", "out_of_corpus", True, None),
+    ]
+    crag = summarize(rows, ["plain", "crag"])["crag"]
+    assert crag["false_abstention"] == 0.5
+    assert crag["false_abstention_plain_in_context"] == 0.0
+    assert crag["abstain_out_of_corpus"] == 1.0
+    assert crag["unsupported_answers"] == 0.0 and crag["input_tokens"] == pytest.approx(100 / 3)
+
+
+@pytest.mark.slow
+def test_eval_with_the_bundled_generator_measures_answer_accuracy(dataset: Path, tmp_path: Path) -> None:
+    from llama_index_crag.llamacpp import BundledLlamaCPP
+
+    config = EvalConfig(dataset=dataset, out=tmp_path / "out", limit=2, cache_dir=tmp_path, progress=False)
+    results = run_evaluation(config, BundledLlamaCPP())
+    for system, f in results["figures"].items():
+        assert 0.0 <= f["accuracy"] <= 1.0, system
+        assert f["latency_ms"]["generate"]["p50"] > 0, system
+    assert results["figures"]["llm-judge"]["judge_calls"] == 5.0
