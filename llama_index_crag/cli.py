@@ -73,6 +73,63 @@ def _print_summary(rows: List[dict]) -> None:
     print(f"Summary: {len(rows)} questions; actions: {shares}; abstained on {abstained}.")
 
 
+def _targets(args: argparse.Namespace) -> dict:
+    return {"target_precision": args.target_precision, "target_recall": args.target_recall}
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from llama_index_crag.grade_report import run_calibration
+
+    data = run_calibration(
+        Path(args.dataset), args.scorer, Path(args.out), args.k, args.limit, args.split, _targets(args), args.progress
+    )
+    t, a = data["thresholds"], data["achieved"]
+    print(f"Scorer {data['scorer']}: upper={t['upper']:.4f} lower={t['lower']:.4f}")
+    print(
+        f"Achieved on {sum(data['samples'].values())} batches {data['samples']}: precision of CORRECT "
+        f"{a['precision_correct']:.3f}, recall of INCORRECT {a['recall_incorrect']:.3f}. Wrote {args.out}."
+    )
+    return 0
+
+
+def _grade_report(args: argparse.Namespace) -> int:
+    from llama_index_crag.grade_report import run_report, table
+
+    report = run_report(
+        Path(args.dataset),
+        [s.strip() for s in args.scorers.split(",") if s.strip()],
+        Path(args.calibration) if args.calibration else None,
+        Path(args.out),
+        args.k,
+        args.folds,
+        args.limit,
+        args.judge_limit,
+        _targets(args),
+        args.strip_min_tokens,
+        args.progress,
+    )
+    print(f"{report['dataset']} ({report['protocol']}, top-{report['k']} candidates)\n")
+    print(table(report["results"]))
+    for result in report["results"]:
+        if result.get("strips"):
+            s = result["strips"]
+            print(
+                f"\nStrips ({result['scorer']}): evidence sentences kept {s['evidence_kept']:.3f} of "
+                f"{s['evidence_sentences']}, other sentences dropped {s['other_dropped']:.3f} of {s['other_sentences']}"
+            )
+    print(f"\nWrote {args.out}/grade-report.json, .md and .png")
+    return 0
+
+
+def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", required=True, help="folder with corpus.jsonl and questions.jsonl")
+    parser.add_argument("--k", type=int, default=5, help="candidates retrieved per question")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N questions")
+    parser.add_argument("--target-precision", type=float, default=0.9, help="precision wanted of CORRECT")
+    parser.add_argument("--target-recall", type=float, default=0.9, help="share of out-of-corpus batches to catch")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``llama-crag``."""
     parser = argparse.ArgumentParser(prog="llama-crag", description="Corrective RAG for LlamaIndex.")
@@ -87,6 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print every trace as JSON")
     demo.add_argument("--progress", action="store_true", help="show a progress bar over the questions")
     demo.set_defaults(run=_demo)
+
+    calibrate = commands.add_parser("calibrate", help="fit the thresholds (and learned weights) on a labelled set")
+    _add_dataset_options(calibrate)
+    calibrate.add_argument("--scorer", default="evidence", help="evidence, bi-encoder, llm-judge, cross-encoder:MODEL")
+    calibrate.add_argument("--split", default=None, help="fit only on questions of this split (e.g. train)")
+    calibrate.add_argument("--out", default="calibration.json", help="where to write the calibration file")
+    calibrate.set_defaults(run=_calibrate)
+
+    report = commands.add_parser("grade-report", help="measure the grader alone, out of sample")
+    _add_dataset_options(report)
+    report.add_argument("--scorers", default="evidence,bi-encoder", help="comma-separated scorers to compare")
+    report.add_argument("--calibration", default=None, help="use this file's thresholds on the rows it was not fit on")
+    report.add_argument("--folds", type=int, default=5, help="cross-validation folds when no calibration is given")
+    report.add_argument("--judge-limit", type=int, default=40, help="batches the (slow) LLM judge grades")
+    report.add_argument("--strip-min-tokens", type=int, default=8, help="strip size for the refiner measurement")
+    report.add_argument("--out", default="grade-report", help="folder for the JSON, Markdown and PNG")
+    report.set_defaults(run=_grade_report)
     add_eval_parser(commands)
     return parser
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 from llama_index.core.schema import Document
 
@@ -21,6 +21,8 @@ class Question:
     answers: List[str] = field(default_factory=list)
     answerable: bool = True
     relevant_doc_ids: List[str] = field(default_factory=list)
+    split: Optional[str] = None
+    evidence: Dict[str, List[int]] = field(default_factory=dict)
 
 
 def _lines(path: Path) -> Iterator[dict]:
@@ -55,6 +57,8 @@ def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
             answers=list(row.get("answers", [])),
             answerable=bool(row.get("answerable", True)),
             relevant_doc_ids=[str(d) for d in row.get("relevant_doc_ids", [])],
+            split=row.get("split"),
+            evidence={str(doc): list(e.get("sentences", [])) for doc, e in (row.get("evidence") or {}).items()},
         )
         for row in _lines(Path(folder) / "questions.jsonl")
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from llama_index_crag.models import describe_llm
 from llama_index_crag.refiner import StripRefiner
 from llama_index_crag.rewrite import QueryRewriter, RewriteError
 from llama_index_crag.scorers.base import RelevanceScorer
-from llama_index_crag.settings import CragSettings
+from llama_index_crag.settings import CragSettings, read_calibration
 from llama_index_crag.trace import CragTrace, NodeGrade
 
 dispatcher = get_dispatcher(__name__)
@@ -169,6 +170,12 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
 
             scorer = BiEncoderScorer(embed_model)
+        calibration_path = calibration_path or os.environ.get("CRAG_CALIBRATION")
+        load_state = getattr(scorer, "load_state", None)
+        if calibration_path and load_state is not None:
+            state = read_calibration(calibration_path, scorer.name).get("scorer_state")
+            if state is not None:
+                load_state(state)
         resolved = CragSettings.resolve(
             settings,
             calibration_path=calibration_path,

@@ -93,8 +93,8 @@ def _parse_bool(name: str, raw: str) -> bool:
     raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean: use true or false")
 
 
-def load_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, Any]:
-    """Read the thresholds of a calibration file, refusing one fitted for another scorer."""
+def read_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, Any]:
+    """Read a calibration file whole, refusing one of another version or fitted for another scorer."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -112,8 +112,13 @@ def load_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, 
             f"calibration file {path} was fitted for scorer {data.get('scorer')!r}, not {scorer_name!r}: "
             "calibrate again for this scorer"
         )
-    thresholds = data.get("thresholds", {})
-    missing = [k for k in ("upper", "lower") if k not in thresholds]
+    missing = [k for k in ("upper", "lower") if k not in data.get("thresholds", {})]
     if missing:
         raise ValueError(f"calibration file {path} lacks thresholds {missing}")
+    return dict(data)
+
+
+def load_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, Any]:
+    """The thresholds of a calibration file (see ``read_calibration``)."""
+    thresholds = read_calibration(path, scorer_name)["thresholds"]
     return {k: thresholds[k] for k in ("upper", "lower", "aggregation") if k in thresholds}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -19,8 +19,9 @@ class BiEncoderScorer(RelevanceScorer):
     """Scores a passage by the cosine similarity of its embedding to the query's.
 
     Normalisation: the cosine, clipped to [0, 1] (negative cosines mean unrelated).
-    Passage embeddings are cached (keyed by a hash of the text), so a corpus node
-    that comes back for many queries is embedded once.
+    Passage and query embeddings are cached (keyed by a hash of the text), so a
+    corpus node that comes back for many queries is embedded once; ``remember``
+    seeds the cache with embeddings an index already holds.
 
     Args:
         embed_model: Any LlamaIndex embedding model; defaults to the bundled MiniLM.
@@ -44,8 +45,29 @@ class BiEncoderScorer(RelevanceScorer):
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
+    def remember(self, texts: Sequence[str], vectors: Union[np.ndarray, Sequence[Sequence[float]]]) -> None:
+        """Seed the cache with embeddings computed elsewhere (an index's, or a query's)."""
+        with self._lock:
+            for text, vector in zip(texts, vectors):
+                self._cache[_key(text)] = _unit(vector)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+
+    def _query_vector(self, query: str) -> np.ndarray:
+        with self._lock:
+            cached = self._cache.get(_key("\x00query\x00" + query))
+        if cached is not None:
+            return cached
+        vector = self.embed_model.get_query_embedding(query)
+        self.remember(["\x00query\x00" + query], [vector])
+        return _unit(vector)
+
+    def remember_queries(self, queries: Sequence[str], vectors: Sequence[Sequence[float]]) -> None:
+        """Seed the cache with query embeddings (a retriever computed them already)."""
+        self.remember(["\x00query\x00" + q for q in queries], vectors)
+
     def _embed_passages(self, texts: Sequence[str]) -> np.ndarray:
-        keys = [hashlib.blake2b(t.encode("utf-8"), digest_size=16).hexdigest() for t in texts]
+        keys = [_key(t) for t in texts]
         with self._lock:
             cached = {k: self._cache[k] for k in keys if k in self._cache}
         missing = [(k, t) for k, t in zip(keys, texts) if k not in cached]
@@ -63,8 +85,12 @@ class BiEncoderScorer(RelevanceScorer):
     def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
         if not texts:
             return []
-        sims = self._embed_passages(texts) @ _unit(self.embed_model.get_query_embedding(query))
+        sims = self._embed_passages(texts) @ self._query_vector(query)
         return [float(min(1.0, max(0.0, s))) for s in sims]
+
+
+def _key(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
 
 
 def _unit(vector: Sequence[float]) -> np.ndarray:

@@ -1,0 +1,233 @@
+"""Labelled candidate batches from a dataset, threshold fitting, and the versioned calibration file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from numpy.typing import ArrayLike
+from tqdm import tqdm
+
+from llama_index_crag.datasets import Question, load_documents, load_questions
+from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
+from llama_index_crag.settings import CALIBRATION_VERSION
+
+IN_CORPUS = "in-corpus"
+OUT_OF_CORPUS = "out-of-corpus"
+UNANSWERABLE = "unanswerable"
+CACHE_DIR = Path(".crag-cache")
+
+
+@dataclass
+class Batch:
+    """The candidates one question gets, and whether the answer's passage is among them.
+
+    ``kind`` is ``in-corpus`` (an answerable question whose gold passage was
+    retrieved), ``out-of-corpus`` (the same question asked of the index without its
+    gold passages: the right outcome is to abstain) or ``unanswerable``.
+    """
+
+    question: Question
+    kind: str
+    doc_ids: List[str]
+    texts: List[str]
+    gold: List[bool] = field(default_factory=list)
+
+    @property
+    def has_answer(self) -> bool:
+        """True for the batches the engine should answer from."""
+        return self.kind == IN_CORPUS
+
+
+def corpus_embeddings(folder: Path, texts: Sequence[str], embed_model: BaseEmbedding, progress: bool) -> np.ndarray:
+    """Unit-length passage embeddings, cached on disk by model and corpus content."""
+    digest = hashlib.sha256(("\x00".join(texts) + embed_model.model_name).encode("utf-8")).hexdigest()[:16]
+    path = CACHE_DIR / f"embeddings-{Path(folder).name}-{digest}.npy"
+    if path.exists():
+        return np.load(path)
+    vectors: List[List[float]] = []
+    step = 64
+    for start in tqdm(range(0, len(texts), step), desc="embedding corpus", unit="batch", disable=not progress):
+        vectors.extend(embed_model.get_text_embedding_batch(list(texts[start : start + step])))
+    matrix = np.asarray(vectors, dtype=np.float32)
+    matrix /= np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
+    CACHE_DIR.mkdir(exist_ok=True)
+    np.save(path, matrix)
+    return matrix
+
+
+@dataclass
+class LabelledSet:
+    """The labelled batches of a dataset, with the corpus and the embeddings retrieval computed."""
+
+    batches: List[Batch]
+    corpus: List[str]
+    corpus_vectors: np.ndarray
+    questions: List[str]
+    question_vectors: List[List[float]]
+
+    def prime(self, scorer: RelevanceScorer) -> None:
+        """Give a bi-encoder-based scorer the embeddings retrieval already computed, as an index would."""
+        bi_encoder = scorer if isinstance(scorer, BiEncoderScorer) else getattr(scorer, "bi_encoder", None)
+        if isinstance(bi_encoder, BiEncoderScorer):
+            bi_encoder.remember(self.corpus, self.corpus_vectors)
+            bi_encoder.remember_queries(self.questions, self.question_vectors)
+
+
+def labelled_batches(
+    folder: Path | str,
+    k: int = 5,
+    embed_model: Optional[BaseEmbedding] = None,
+    limit: Optional[int] = None,
+    progress: bool = True,
+) -> LabelledSet:
+    """Dense top-``k`` candidates for every question, labelled by the out-of-corpus protocol.
+
+    Each answerable question gives an in-corpus batch (when retrieval found a gold
+    passage) and an out-of-corpus batch (the top ``k`` once the gold passages are
+    dropped, as if the index had been built without them); each unanswerable question
+    gives one batch.
+    """
+    from llama_index_crag.models import default_embed_model
+
+    folder = Path(folder)
+    embed_model = embed_model or default_embed_model()
+    documents = load_documents(folder)
+    texts = [d.get_content() for d in documents]
+    ids = [d.doc_id for d in documents]
+    questions = load_questions(folder)[:limit]
+    matrix = corpus_embeddings(folder, texts, embed_model, progress)
+    queries = embed_model.get_text_embedding_batch([q.question for q in questions])
+    batches: List[Batch] = []
+    for question, vector in zip(questions, queries):
+        query = np.asarray(vector, dtype=np.float32)
+        order = np.argsort(-(matrix @ (query / max(float(np.linalg.norm(query)), 1e-12))))
+        gold = set(question.relevant_doc_ids) if question.answerable else set()
+        top = [int(i) for i in order[:k]]
+        if not question.answerable:
+            batches.append(_batch(question, UNANSWERABLE, top, ids, texts, gold))
+            continue
+        if gold & {ids[i] for i in top}:
+            batches.append(_batch(question, IN_CORPUS, top, ids, texts, gold))
+        without = [int(i) for i in order[: k + len(gold)] if ids[int(i)] not in gold][:k]
+        batches.append(_batch(question, OUT_OF_CORPUS, without, ids, texts, gold))
+    return LabelledSet(batches, texts, matrix, [q.question for q in questions], queries)
+
+
+def _batch(question: Question, kind: str, rows: List[int], ids: List[str], texts: List[str], gold: set) -> Batch:
+    return Batch(
+        question=question,
+        kind=kind,
+        doc_ids=[ids[i] for i in rows],
+        texts=[texts[i] for i in rows],
+        gold=[ids[i] in gold for i in rows],
+    )
+
+
+@dataclass
+class Scored:
+    """Per-candidate scores of every batch, and how fast they were computed."""
+
+    scores: List[List[float]]
+    pairs: int
+    seconds: float
+
+    @property
+    def pairs_per_second(self) -> float:
+        return self.pairs / self.seconds if self.seconds > 0 else float("inf")
+
+    def aggregate(self) -> np.ndarray:
+        """The batch score the grader compares with the thresholds (max)."""
+        return np.asarray([max(s) if s else 0.0 for s in self.scores])
+
+
+def score_batches(scorer: RelevanceScorer, batches: Sequence[Batch], progress: bool = True, desc: str = "") -> Scored:
+    """Score every candidate of every batch with ``scorer``, timing the scoring alone."""
+    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+    scores: List[List[float]] = []
+    seconds = 0.0
+    for batch in tqdm(batches, desc=desc or f"scoring ({scorer.name})", unit="batch", disable=not progress):
+        nodes = [NodeWithScore(node=TextNode(text=t)) for t in batch.texts]
+        start = time.perf_counter()
+        scores.append(scorer.score_nodes(QueryBundle(batch.question.question), nodes))
+        seconds += time.perf_counter() - start
+    return Scored(scores=scores, pairs=sum(len(b.texts) for b in batches), seconds=seconds)
+
+
+def fit_thresholds(
+    aggregate: ArrayLike,
+    has_answer: ArrayLike,
+    target_precision: float = 0.9,
+    target_recall: float = 0.9,
+) -> Dict[str, float]:
+    """Choose ``upper`` and ``lower`` from batch scores and truth.
+
+    ``upper`` is the lowest score at which the batches graded CORRECT reach
+    ``target_precision`` (share of them that truly hold the answer); ``lower`` is the
+    highest score below which at least ``target_recall`` of the batches without the
+    answer fall (they are then graded INCORRECT). ``lower`` never exceeds ``upper``.
+    Returns both and the precision and recall achieved on these rows.
+    """
+    scores = np.asarray(aggregate, dtype=np.float64)
+    truth = np.asarray(has_answer, dtype=bool)
+    if truth.all() or not truth.any():
+        raise ValueError("calibration needs batches both with and without the answer")
+    candidates = np.unique(scores)
+    upper = float(candidates[-1]) + 1e-9
+    for threshold in candidates:
+        chosen = scores >= threshold
+        if truth[chosen].mean() >= target_precision:
+            upper = float(threshold)
+            break
+    negatives = np.sort(scores[~truth])
+    index = min(len(negatives) - 1, int(np.ceil(target_recall * len(negatives))) - 1)
+    lower = float(negatives[max(index, 0)]) + 1e-6
+    lower = min(lower, upper)
+    graded_correct = scores >= upper
+    return {
+        "upper": round(min(upper, 1.0), 6),
+        "lower": round(min(lower, 1.0), 6),
+        "precision_correct": float(truth[graded_correct].mean()) if graded_correct.any() else 0.0,
+        "recall_incorrect": float((scores[~truth] < lower).mean()),
+    }
+
+
+def write_calibration(
+    path: Path | str,
+    scorer: RelevanceScorer,
+    thresholds: Mapping[str, float],
+    targets: Mapping[str, float],
+    counts: Mapping[str, int],
+    dataset: str,
+    fitted_qids: Sequence[str],
+    scorer_state: Optional[Mapping[str, Any]] = None,
+) -> Dict[str, Any]:
+    """Write the versioned calibration file that ``settings.load_calibration`` reads."""
+    data: Dict[str, Any] = {
+        "version": CALIBRATION_VERSION,
+        "scorer": scorer.name,
+        "normalization": scorer.normalization,
+        "thresholds": {"upper": thresholds["upper"], "lower": thresholds["lower"]},
+        "targets": dict(targets),
+        "achieved": {
+            "precision_correct": thresholds["precision_correct"],
+            "recall_incorrect": thresholds["recall_incorrect"],
+        },
+        "samples": dict(counts),
+        "dataset": dataset,
+        "fitted_qids": sorted(fitted_qids),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    if scorer_state is not None:
+        data["scorer_state"] = dict(scorer_state)
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return data

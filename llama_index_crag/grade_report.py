@@ -1,0 +1,350 @@
+"""The grader measured alone: calibration and the out-of-sample grade report behind ``llama-crag``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from llama_index_crag.calibration import (
+    IN_CORPUS,
+    OUT_OF_CORPUS,
+    UNANSWERABLE,
+    Batch,
+    fit_thresholds,
+    labelled_batches,
+    score_batches,
+    write_calibration,
+)
+from llama_index_crag.grader import Verdict, band
+from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
+from llama_index_crag.scorers.evidence import EvidenceScorer
+
+KINDS = (IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE)
+
+
+def build_scorer(name: str, corpus: Sequence[str], llm: Any = None) -> RelevanceScorer:
+    """A scorer by its command-line name: evidence, bi-encoder, llm-judge, cross-encoder:MODEL, flag:MODEL."""
+    from llama_index_crag.scorers import BiEncoderScorer, CrossEncoderScorer, LLMJudgeScorer
+
+    if name == "evidence":
+        return EvidenceScorer(corpus=corpus)
+    if name == "bi-encoder":
+        return BiEncoderScorer()
+    if name == "llm-judge":
+        if llm is None:
+            from llama_index_crag.models import default_llm
+
+            llm = default_llm()[0]
+        return LLMJudgeScorer(llm)
+    if name.startswith("cross-encoder:"):
+        return CrossEncoderScorer(name.split(":", 1)[1])
+    if name.startswith("flag:"):
+        return CrossEncoderScorer(name.split(":", 1)[1], backend="flagembedding")
+    raise ValueError(f"unknown scorer {name!r}: use evidence, bi-encoder, llm-judge, cross-encoder:MODEL or flag:MODEL")
+
+
+@dataclass
+class Outcome:
+    """Out-of-sample batch scores of one scorer, with the thresholds each score was judged by."""
+
+    scorer: str
+    normalization: str
+    batches: List[Batch]
+    aggregate: np.ndarray
+    upper: np.ndarray
+    lower: np.ndarray
+    pairs_per_second: float
+
+
+def _truth(batches: Sequence[Batch]) -> np.ndarray:
+    return np.asarray([b.has_answer for b in batches], dtype=bool)
+
+
+def _folds(batches: Sequence[Batch], folds: int) -> np.ndarray:
+    """Fold of each batch, by question, so a question's two batches never straddle train and test."""
+    qids = sorted({b.question.qid for b in batches})
+    rng = np.random.default_rng(0)
+    order = {qid: i % folds for i, qid in enumerate(rng.permutation(qids))}
+    return np.asarray([order[b.question.qid] for b in batches])
+
+
+def _evidence_aggregate(
+    features: Sequence[np.ndarray],
+    batches: Sequence[Batch],
+    train: np.ndarray,
+    test: np.ndarray,
+    scorer: EvidenceScorer,
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Fit the evidence weights on the training batches; batch scores of train and test with them."""
+    rows = np.concatenate([f for f, t in zip(features, train) if t])
+    labels = np.concatenate([np.asarray(b.gold) & b.has_answer for b, t in zip(batches, train) if t])
+    weights = scorer.fit(rows, labels).weights.copy()
+
+    def aggregate(mask: np.ndarray) -> np.ndarray:
+        return np.asarray(
+            [max(sigmoid(float(v)) for v in f @ weights[:-1] + weights[-1]) for f, m in zip(features, mask) if m]
+        )
+
+    return aggregate(train), aggregate(test)
+
+
+def cross_validate(
+    scorer: RelevanceScorer,
+    batches: List[Batch],
+    folds: int = 5,
+    targets: Optional[Mapping[str, float]] = None,
+    progress: bool = True,
+) -> Outcome:
+    """Score every batch with weights and thresholds fitted on the other folds only."""
+    targets = dict(targets or {"target_precision": 0.9, "target_recall": 0.9})
+    scored = score_batches(scorer, batches, progress=progress)
+    fixed = scored.aggregate()
+    truth = _truth(batches)
+    fold_of = _folds(batches, folds)
+    features = (
+        [scorer.features(b.question.question, b.texts) for b in batches] if isinstance(scorer, EvidenceScorer) else []
+    )
+    aggregate = np.zeros(len(batches))
+    upper = np.zeros(len(batches))
+    lower = np.zeros(len(batches))
+    for fold in range(folds):
+        test = fold_of == fold
+        train = ~test
+        if not test.any():
+            continue
+        if isinstance(scorer, EvidenceScorer):
+            train_scores, test_scores = _evidence_aggregate(features, batches, train, test, scorer)
+        else:
+            train_scores, test_scores = fixed[train], fixed[test]
+        fitted = fit_thresholds(train_scores, truth[train], **targets)
+        aggregate[test] = test_scores
+        upper[test], lower[test] = fitted["upper"], fitted["lower"]
+    return Outcome(scorer.name, scorer.normalization, batches, aggregate, upper, lower, scored.pairs_per_second)
+
+
+def with_calibration(
+    scorer: RelevanceScorer, batches: List[Batch], calibration: Mapping[str, Any], progress: bool = True
+) -> Outcome:
+    """Score the batches the calibration file was not fitted on, with its thresholds."""
+    fitted = set(calibration.get("fitted_qids", []))
+    held_out = [b for b in batches if b.question.qid not in fitted]
+    if not held_out:
+        raise ValueError("every question of this dataset was used to fit the calibration: calibrate on a split")
+    if isinstance(scorer, EvidenceScorer) and "scorer_state" in calibration:
+        scorer.load_state(calibration["scorer_state"])
+    scored = score_batches(scorer, held_out, progress=progress)
+    n = len(held_out)
+    thresholds = calibration["thresholds"]
+    return Outcome(
+        scorer.name,
+        scorer.normalization,
+        held_out,
+        scored.aggregate(),
+        np.full(n, thresholds["upper"]),
+        np.full(n, thresholds["lower"]),
+        scored.pairs_per_second,
+    )
+
+
+def _auroc(positive: np.ndarray, negative: np.ndarray) -> Optional[float]:
+    if not len(positive) or not len(negative):
+        return None
+    from sklearn.metrics import roc_auc_score
+
+    return float(roc_auc_score([1] * len(positive) + [0] * len(negative), np.concatenate([positive, negative])))
+
+
+def figures(outcome: Outcome) -> Dict[str, Any]:
+    """AUROC, accuracy and the three-band confusion matrix of one scorer's outcome."""
+    kinds = np.asarray([b.kind for b in outcome.batches])
+    verdicts = np.asarray([band(s, u, lo).value for s, u, lo in zip(outcome.aggregate, outcome.upper, outcome.lower)])
+    confusion = {k: {v.value: int(((kinds == k) & (verdicts == v.value)).sum()) for v in Verdict} for k in KINDS}
+    answered = verdicts != Verdict.INCORRECT.value
+    right = np.where(kinds == IN_CORPUS, answered, ~answered)
+    rows: Dict[str, Any] = {}
+    for other in (OUT_OF_CORPUS, UNANSWERABLE):
+        mask = (kinds == IN_CORPUS) | (kinds == other)
+        if (kinds == other).any():
+            rows[other] = {
+                "auroc": _auroc(outcome.aggregate[kinds == IN_CORPUS], outcome.aggregate[kinds == other]),
+                "accuracy": float(right[mask].mean()),
+                "batches": int(mask.sum()),
+            }
+    return {
+        "scorer": outcome.scorer,
+        "normalization": outcome.normalization,
+        "rows": rows,
+        "three_band_accuracy": float(right.mean()),
+        "confusion": confusion,
+        "pairs_per_second": round(outcome.pairs_per_second, 1),
+        "thresholds_mean": {"upper": float(outcome.upper.mean()), "lower": float(outcome.lower.mean())},
+    }
+
+
+def table(results: Sequence[Mapping[str, Any]]) -> str:
+    """The report as a Markdown table: one row per scorer and comparison."""
+    lines = [
+        "| scorer | row | AUROC | accuracy | batches | three-band accuracy | pairs/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        for row, values in result["rows"].items():
+            auroc = "-" if values["auroc"] is None else f"{values['auroc']:.3f}"
+            lines.append(
+                f"| {result['scorer']} | {row} | {auroc} | {values['accuracy']:.3f} | {values['batches']} "
+                f"| {result['three_band_accuracy']:.3f} | {result['pairs_per_second']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(outcomes: Sequence[Outcome], path: Path) -> None:
+    """Score distributions of the classes, one panel per scorer, thresholds drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(outcomes), 1, figsize=(8, 3 * len(outcomes)), squeeze=False)
+    for ax, outcome in zip(axes[:, 0], outcomes):
+        kinds = np.asarray([b.kind for b in outcome.batches])
+        for kind, colour in zip(KINDS, ("tab:green", "tab:red", "tab:orange")):
+            values = outcome.aggregate[kinds == kind]
+            if len(values):
+                ax.hist(values, bins=30, range=(0, 1), alpha=0.5, color=colour, label=f"{kind} ({len(values)})")
+        ax.axvline(float(outcome.upper.mean()), color="black", linestyle="--", label="upper")
+        ax.axvline(float(outcome.lower.mean()), color="grey", linestyle=":", label="lower")
+        ax.set_title(outcome.scorer)
+        ax.set_xlabel("batch score (max over candidates)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def strip_report(
+    scorer: RelevanceScorer, folder: Path, batches: Sequence[Batch], lower: float, min_tokens: int
+) -> Optional[Dict[str, Any]]:
+    """On a dataset that labels evidence sentences (SciFact): evidence strips kept, others dropped."""
+    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+    from llama_index_crag.refiner import StripRefiner
+
+    rows = [json.loads(line) for line in (folder / "corpus.jsonl").open(encoding="utf-8") if line.strip()]
+    sentences = {str(r["doc_id"]): r.get("sentences") for r in rows}
+    questions = [b.question for b in batches if b.kind == IN_CORPUS and b.question.evidence]
+    if not questions:
+        return None
+    refiner = StripRefiner(scorer, threshold=lower, strip_min_tokens=min_tokens)
+    kept = {True: 0, False: 0}
+    total = {True: 0, False: 0}
+    for question in questions:
+        for doc_id, indices in question.evidence.items():
+            doc_sentences = sentences.get(doc_id) or []
+            if not doc_sentences:
+                continue
+            node = TextNode(text=" ".join(doc_sentences))
+            refined = refiner.refine(QueryBundle(question.question), [NodeWithScore(node=node)])
+            kept_text = "" if refined.used_original else refined.nodes[0].node.get_content()
+            for i, sentence in enumerate(doc_sentences):
+                is_evidence = i in indices
+                total[is_evidence] += 1
+                kept[is_evidence] += int(sentence.strip() in kept_text)
+    return {
+        "claims": len(questions),
+        "evidence_sentences": total[True],
+        "evidence_kept": kept[True] / total[True] if total[True] else None,
+        "other_sentences": total[False],
+        "other_dropped": 1 - kept[False] / total[False] if total[False] else None,
+    }
+
+
+def run_report(
+    dataset: Path,
+    scorers: Sequence[str],
+    calibration: Optional[Path],
+    out: Path,
+    k: int,
+    folds: int,
+    limit: Optional[int],
+    judge_limit: int,
+    targets: Mapping[str, float],
+    min_tokens: int,
+    progress: bool = True,
+) -> Dict[str, Any]:
+    """Measure each scorer on ``dataset`` out of sample; write JSON, Markdown and a PNG to ``out``."""
+    labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress)
+    batches, corpus = labelled.batches, labelled.corpus
+    calibration_data = json.loads(calibration.read_text(encoding="utf-8")) if calibration else None
+    outcomes: List[Outcome] = []
+    results: List[Dict[str, Any]] = []
+    for name in scorers:
+        scorer = build_scorer(name, corpus)
+        labelled.prime(scorer)
+        subset = batches
+        if name == "llm-judge":
+            keep = {b.question.qid for b in batches[:judge_limit]}
+            subset = [b for b in batches if b.question.qid in keep]
+        if calibration_data is not None and calibration_data.get("scorer") == scorer.name:
+            outcome = with_calibration(scorer, subset, calibration_data, progress)
+        else:
+            outcome = cross_validate(scorer, subset, folds=folds, targets=targets, progress=progress)
+        result = figures(outcome)
+        if name != "llm-judge":
+            result["strips"] = strip_report(scorer, dataset, subset, float(outcome.lower.mean()), min_tokens)
+        outcomes.append(outcome)
+        results.append(result)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "dataset": str(dataset),
+        "k": k,
+        "protocol": "calibration file, held-out rows" if calibration_data else f"{folds}-fold cross-validation",
+        "targets": dict(targets),
+        "results": results,
+    }
+    (out / "grade-report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "grade-report.md").write_text(table(results) + "\n", encoding="utf-8")
+    plot(outcomes, out / "grade-report.png")
+    return report
+
+
+def run_calibration(
+    dataset: Path,
+    scorer_name: str,
+    out: Path,
+    k: int,
+    limit: Optional[int],
+    split: Optional[str],
+    targets: Mapping[str, float],
+    progress: bool = True,
+) -> Dict[str, Any]:
+    """Fit thresholds (and the evidence scorer's weights) on ``dataset`` and write the calibration file."""
+    labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress)
+    batches = labelled.batches
+    if split is not None:
+        batches = [b for b in batches if b.question.split == split]
+        if not batches:
+            raise ValueError(f"no question of {dataset} has split {split!r}")
+    scorer = build_scorer(scorer_name, labelled.corpus)
+    labelled.prime(scorer)
+    state = None
+    if isinstance(scorer, EvidenceScorer):
+        rows = np.concatenate([scorer.features(b.question.question, b.texts) for b in batches])
+        labels = np.concatenate([np.asarray(b.gold) & b.has_answer for b in batches])
+        state = scorer.fit(rows, labels).state()
+    scored = score_batches(scorer, batches, progress=progress)
+    thresholds = fit_thresholds(scored.aggregate(), _truth(batches), **targets)
+    counts = {kind: sum(1 for b in batches if b.kind == kind) for kind in KINDS}
+    return write_calibration(
+        out,
+        scorer,
+        thresholds,
+        targets,
+        counts,
+        dataset=str(dataset),
+        fitted_qids=sorted({b.question.qid for b in batches}),
+        scorer_state=state,
+    )

@@ -1,0 +1,119 @@
+"""The offline scorers, threshold calibration and the grade report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, List
+
+import numpy as np
+import pytest
+
+from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.calibration import fit_thresholds
+from llama_index_crag.cli import main
+from llama_index_crag.datasets import SAMPLE_DIR, load_documents
+from llama_index_crag.scorers import EvidenceScorer, LLMJudgeScorer
+from llama_index_crag.scorers.evidence import FEATURES, terms
+
+from .conftest import ALPHA, BETA, GAMMA, ScriptedLLM
+
+
+def test_thresholds_meet_their_targets_on_the_rows_they_were_fitted_on() -> None:
+    rng = np.random.default_rng(0)
+    scores = np.concatenate([rng.uniform(0.5, 1.0, 200), rng.uniform(0.0, 0.6, 200)])
+    truth = np.array([True] * 200 + [False] * 200)
+    fitted = fit_thresholds(scores, truth, target_precision=0.95, target_recall=0.9)
+    assert fitted["precision_correct"] >= 0.95 and fitted["recall_incorrect"] >= 0.9
+    assert fitted["lower"] <= fitted["upper"]
+    assert ((scores >= fitted["upper"]) & ~truth).sum() <= 0.05 * (scores >= fitted["upper"]).sum()
+
+
+def test_thresholds_need_both_classes() -> None:
+    with pytest.raises(ValueError, match="both with and without"):
+        fit_thresholds([0.1, 0.2], [True, True])
+
+
+def test_terms_keep_content_words_in_any_script() -> None:
+    assert terms("What was the churn of Harbor Pro in Q1?") == ["churn", "harbor", "pro", "q1"]
+    assert terms("Quel est le budget?")[-1] == "budget"
+    assert terms("東京の本社") == ["東京の本社"]
+
+
+def test_evidence_features_see_coverage_and_answer_type() -> None:
+    scorer = EvidenceScorer(corpus=[ALPHA.text, BETA.text, GAMMA.text])
+    rows = scorer.features("When did the gamma office open?", [GAMMA.text, BETA.text])
+    assert rows.shape == (2, len(FEATURES))
+    named = dict(zip(FEATURES, rows[0]))
+    assert named["coverage"] == pytest.approx(1.0) and named["answer_type"] == 1.0
+    assert rows[1][FEATURES.index("coverage")] < 0.5
+    scores = scorer.score_texts("When did the gamma office open?", [GAMMA.text, BETA.text])
+    assert scores[0] > scores[1]
+
+
+def test_evidence_scorer_learns_weights_and_round_trips_them() -> None:
+    scorer = EvidenceScorer()
+    x = np.array([[0.9, 1, 1, 1, 1, 1], [0.8, 0.9, 0.9, 1, 0.5, 1], [0.2, 0.1, 0.1, 0, 0, 0], [0.3, 0.2, 0.1, 0, 0, 0.5]])
+    state = scorer.fit(x, [True, True, False, False]).state()
+    other = EvidenceScorer().load_state(state)
+    assert other.weights.tolist() == pytest.approx(state["weights"])
+    with pytest.raises(ValueError, match="features"):
+        EvidenceScorer().load_state({"features": ["cosine"], "weights": [1.0, 0.0]})
+
+
+def test_llm_judge_grades_all_passages_in_one_structured_call() -> None:
+    llm = ScriptedLLM(rewrite="unused")
+    llm_calls: List[str] = []
+
+    class Judge(ScriptedLLM):
+        def _text(self, prompt: str) -> str:
+            llm_calls.append(prompt)
+            return '{"relevant": ["yes", "no"]}'
+
+    scores = LLMJudgeScorer(Judge()).score_texts("alpha budget?", [ALPHA.text, BETA.text, GAMMA.text])
+    assert scores == [1.0, 0.0, 0.5] and len(llm_calls) == 1
+    assert "[3]" in llm_calls[0]
+    assert llm.calls["answer"] == 0
+
+
+def test_llm_judge_reads_verdicts_from_prose_when_json_fails() -> None:
+    class Chatty(ScriptedLLM):
+        def _text(self, prompt: str) -> str:
+            return "Sure! Passage 1: Yes. Passage 2: no"
+
+    assert LLMJudgeScorer(Chatty()).score_texts("q", ["a", "b"]) == [1.0, 0.0]
+
+
+def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) -> None:
+    calibration = tmp_path / "calibration.json"
+    assert main(["calibrate", "--dataset", str(SAMPLE_DIR), "--out", str(calibration), "--no-progress"]) == 0
+    data = json.loads(calibration.read_text())
+    assert data["version"] == 1 and data["scorer"] == "evidence:all-MiniLM-L6-v2"
+    assert data["thresholds"]["lower"] <= data["thresholds"]["upper"]
+    assert set(data["samples"]) == {"in-corpus", "out-of-corpus", "unanswerable"}
+    assert len(data["scorer_state"]["weights"]) == len(FEATURES) + 1
+    assert main(["grade-report", "--dataset", str(SAMPLE_DIR), "--out", str(tmp_path / "r"), "--folds", "3",
+                 "--no-progress"]) == 0
+    report = json.loads((tmp_path / "r" / "grade-report.json").read_text())
+    rows = {r["scorer"]: r["rows"] for r in report["results"]}
+    assert 0.5 < rows["evidence:all-MiniLM-L6-v2"]["out-of-corpus"]["auroc"] <= 1.0
+    assert (tmp_path / "r" / "grade-report.png").stat().st_size > 10_000
+    assert "| evidence:all-MiniLM-L6-v2 | out-of-corpus |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="calibrate on a split"):
+        from llama_index_crag.grade_report import run_report
+
+        run_report(SAMPLE_DIR, ["evidence"], calibration, tmp_path / "again", 5, 3, None, 0, {
+            "target_precision": 0.9, "target_recall": 0.9}, 8, progress=False)
+
+
+def test_the_engine_loads_learned_weights_from_its_calibration_file(tmp_path: Path) -> None:
+    calibration = tmp_path / "calibration.json"
+    main(["calibrate", "--dataset", str(SAMPLE_DIR), "--out", str(calibration), "--no-progress"])
+    nodes = load_documents()
+    engine = CorrectiveQueryEngine.from_defaults(
+        nodes=nodes, llm=ScriptedLLM(), scorer=EvidenceScorer(corpus=[n.text for n in nodes]),
+        calibration_path=str(calibration), fallback_sources=("bm25",),
+    )
+    data = json.loads(calibration.read_text())
+    assert engine.grader.scorer.weights.tolist() == pytest.approx(data["scorer_state"]["weights"])  # type: ignore[attr-defined]
+    assert engine.grader.upper == data["thresholds"]["upper"]
