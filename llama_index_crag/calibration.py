@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.schema import MetadataMode
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
@@ -101,7 +102,7 @@ def labelled_batches(
     folder = Path(folder)
     embed_model = embed_model or default_embed_model()
     documents = load_documents(folder)
-    texts = [d.get_content() for d in documents]
+    texts = [d.get_content(metadata_mode=MetadataMode.EMBED) for d in documents]
     ids = [d.doc_id for d in documents]
     questions = load_questions(folder)[:limit]
     matrix = corpus_embeddings(folder, texts, embed_model, progress)
@@ -165,39 +166,38 @@ def score_batches(scorer: RelevanceScorer, batches: Sequence[Batch], progress: b
 
 def fit_thresholds(
     aggregate: ArrayLike,
-    has_answer: ArrayLike,
+    kinds: Sequence[str],
     target_precision: float = 0.9,
     target_recall: float = 0.9,
 ) -> Dict[str, float]:
-    """Choose ``upper`` and ``lower`` from batch scores and truth.
+    """Choose ``upper`` and ``lower`` from batch scores and their kinds.
 
     ``upper`` is the lowest score at which the batches graded CORRECT reach
     ``target_precision`` (share of them that truly hold the answer); ``lower`` is the
-    highest score below which at least ``target_recall`` of the batches without the
-    answer fall (they are then graded INCORRECT). ``lower`` never exceeds ``upper``.
-    Returns both and the precision and recall achieved on these rows.
+    highest score below which at least ``target_recall`` of the out-of-corpus batches
+    fall (all batches without the answer when the set has no out-of-corpus ones).
+    ``lower`` never exceeds ``upper``. Returns both and what they achieve on these rows.
     """
     scores = np.asarray(aggregate, dtype=np.float64)
-    truth = np.asarray(has_answer, dtype=bool)
+    kind = np.asarray(kinds)
+    truth = kind == IN_CORPUS
     if truth.all() or not truth.any():
         raise ValueError("calibration needs batches both with and without the answer")
-    candidates = np.unique(scores)
-    upper = float(candidates[-1]) + 1e-9
-    for threshold in candidates:
-        chosen = scores >= threshold
-        if truth[chosen].mean() >= target_precision:
+    upper = float(scores.max()) + 1e-9
+    for threshold in np.unique(scores):
+        if truth[scores >= threshold].mean() >= target_precision:
             upper = float(threshold)
             break
-    negatives = np.sort(scores[~truth])
-    index = min(len(negatives) - 1, int(np.ceil(target_recall * len(negatives))) - 1)
-    lower = float(negatives[max(index, 0)]) + 1e-6
-    lower = min(lower, upper)
+    caught = kind == OUT_OF_CORPUS if (kind == OUT_OF_CORPUS).any() else ~truth
+    negatives = np.sort(scores[caught])
+    index = max(0, min(len(negatives) - 1, int(np.ceil(target_recall * len(negatives))) - 1))
+    lower = min(float(negatives[index]) + 1e-6, upper)
     graded_correct = scores >= upper
     return {
         "upper": round(min(upper, 1.0), 6),
         "lower": round(min(lower, 1.0), 6),
         "precision_correct": float(truth[graded_correct].mean()) if graded_correct.any() else 0.0,
-        "recall_incorrect": float((scores[~truth] < lower).mean()),
+        "recall_incorrect": float((scores[caught] < lower).mean()),
     }
 
 

@@ -38,13 +38,21 @@ def _lines(path: Path) -> Iterator[dict]:
 
 
 def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
-    """The corpus as LlamaIndex documents, ``doc_id`` as both id and metadata."""
+    """The corpus as LlamaIndex documents: ``doc_id`` as id and metadata (hidden from models), ``title`` shown."""
     documents = []
     for row in _lines(Path(folder) / "corpus.jsonl"):
         metadata = {"doc_id": row["doc_id"]}
         if row.get("title"):
             metadata["title"] = row["title"]
-        documents.append(Document(text=row["text"], id_=row["doc_id"], metadata=metadata))
+        documents.append(
+            Document(
+                text=row["text"],
+                id_=row["doc_id"],
+                metadata=metadata,
+                excluded_embed_metadata_keys=["doc_id"],
+                excluded_llm_metadata_keys=["doc_id"],
+            )
+        )
     return documents
 
 

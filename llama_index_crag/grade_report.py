@@ -60,10 +60,6 @@ class Outcome:
     pairs_per_second: float
 
 
-def _truth(batches: Sequence[Batch]) -> np.ndarray:
-    return np.asarray([b.has_answer for b in batches], dtype=bool)
-
-
 def _folds(batches: Sequence[Batch], folds: int) -> np.ndarray:
     """Fold of each batch, by question, so a question's two batches never straddle train and test."""
     qids = sorted({b.question.qid for b in batches})
@@ -103,7 +99,7 @@ def cross_validate(
     targets = dict(targets or {"target_precision": 0.9, "target_recall": 0.9})
     scored = score_batches(scorer, batches, progress=progress)
     fixed = scored.aggregate()
-    truth = _truth(batches)
+    kinds = np.asarray([b.kind for b in batches])
     fold_of = _folds(batches, folds)
     features = (
         [scorer.features(b.question.question, b.texts) for b in batches] if isinstance(scorer, EvidenceScorer) else []
@@ -120,7 +116,7 @@ def cross_validate(
             train_scores, test_scores = _evidence_aggregate(features, batches, train, test, scorer)
         else:
             train_scores, test_scores = fixed[train], fixed[test]
-        fitted = fit_thresholds(train_scores, truth[train], **targets)
+        fitted = fit_thresholds(train_scores, kinds[train], **targets)
         aggregate[test] = test_scores
         upper[test], lower[test] = fitted["upper"], fitted["lower"]
     return Outcome(scorer.name, scorer.normalization, batches, aggregate, upper, lower, scored.pairs_per_second)
@@ -336,7 +332,7 @@ def run_calibration(
         labels = np.concatenate([np.asarray(b.gold) & b.has_answer for b in batches])
         state = scorer.fit(rows, labels).state()
     scored = score_batches(scorer, batches, progress=progress)
-    thresholds = fit_thresholds(scored.aggregate(), _truth(batches), **targets)
+    thresholds = fit_thresholds(scored.aggregate(), [b.kind for b in batches], **targets)
     counts = {kind: sum(1 for b in batches if b.kind == kind) for kind in KINDS}
     return write_calibration(
         out,

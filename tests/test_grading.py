@@ -22,8 +22,9 @@ from .conftest import ALPHA, BETA, GAMMA, ScriptedLLM
 def test_thresholds_meet_their_targets_on_the_rows_they_were_fitted_on() -> None:
     rng = np.random.default_rng(0)
     scores = np.concatenate([rng.uniform(0.5, 1.0, 200), rng.uniform(0.0, 0.6, 200)])
+    kinds = ["in-corpus"] * 200 + ["out-of-corpus"] * 200
     truth = np.array([True] * 200 + [False] * 200)
-    fitted = fit_thresholds(scores, truth, target_precision=0.95, target_recall=0.9)
+    fitted = fit_thresholds(scores, kinds, target_precision=0.95, target_recall=0.9)
     assert fitted["precision_correct"] >= 0.95 and fitted["recall_incorrect"] >= 0.9
     assert fitted["lower"] <= fitted["upper"]
     assert ((scores >= fitted["upper"]) & ~truth).sum() <= 0.05 * (scores >= fitted["upper"]).sum()
@@ -31,7 +32,7 @@ def test_thresholds_meet_their_targets_on_the_rows_they_were_fitted_on() -> None
 
 def test_thresholds_need_both_classes() -> None:
     with pytest.raises(ValueError, match="both with and without"):
-        fit_thresholds([0.1, 0.2], [True, True])
+        fit_thresholds([0.1, 0.2], ["in-corpus", "in-corpus"])
 
 
 def test_terms_keep_content_words_in_any_script() -> None:
