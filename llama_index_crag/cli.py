@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -24,16 +25,17 @@ def _demo(args: argparse.Namespace) -> int:
     folder = Path(args.dataset)
     documents = load_documents(folder)
     questions: List[Question] = load_questions(folder)[: args.limit]
-    print(f"Corpus: {len(documents)} documents from {folder}; {len(questions)} questions.")
+    say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
+    say(f"Corpus: {len(documents)} documents from {folder}; {len(questions)} questions.")
     llm, described = default_llm(args.ollama_url, args.ollama_model)
-    print(f"Generator: {described}.")
-    print("Embeddings: bundled all-MiniLM-L6-v2 (offline). Fallback: BM25 + sentence windows.")
+    say(f"Generator: {described}.")
+    say("Embeddings: bundled all-MiniLM-L6-v2 (offline). Fallback: BM25 + sentence windows.")
     index = VectorStoreIndex.from_documents(documents, embed_model=default_embed_model(), show_progress=True)
     engine = CorrectiveQueryEngine.from_defaults(
         index=index, llm=llm, enabled=False if args.disable_crag else None, calibration_path=args.calibration
     )
     s = engine.settings
-    print(
+    say(
         f"CRAG {'on' if s.enabled else 'off'}: scorer {engine.grader.scorer.name}, upper={s.upper}, lower={s.lower}\n"
     )
     rows = []

@@ -277,12 +277,8 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             nodes = yield _Io(
                 lambda: self._retriever.retrieve(query_bundle), lambda: self._retriever.aretrieve(query_bundle)
             )
-        for postprocessor in self._postprocessors:
-            with trace.timed("rerank"):
-                nodes = yield _Io(
-                    _bind(postprocessor.postprocess_nodes, nodes, query_bundle),
-                    _bind(postprocessor.apostprocess_nodes, nodes, query_bundle),
-                )
+        with trace.timed("rerank"):
+            nodes = yield from self._postprocess(nodes, query_bundle, None)
 
         context: List[NodeWithScore] = nodes
         if s.enabled:
@@ -382,6 +378,18 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         )
         return []
 
+    def _postprocess(
+        self, nodes: List[NodeWithScore], query_bundle: QueryBundle, deadline: Optional[float]
+    ) -> Generator[_Io, Any, List[NodeWithScore]]:
+        """Run the pipeline's own postprocessors (e.g. the reranker whose scores grading reuses)."""
+        for postprocessor in self._postprocessors:
+            nodes = yield _Io(
+                _bind(postprocessor.postprocess_nodes, nodes, query_bundle),
+                _bind(postprocessor.apostprocess_nodes, nodes, query_bundle),
+                None if deadline is None else _left(deadline),
+            )
+        return nodes
+
     def _fallback_hits(
         self, question: QueryBundle, search: QueryBundle, deadline: float, trace: CragTrace
     ) -> Generator[_Io, Any, List[NodeWithScore]]:
@@ -392,6 +400,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             hits = yield _Io(_bind(fallback.retrieve, search), _bind(fallback.aretrieve, search), _left(deadline))
         trace.fallback_sources = sorted({h.node.metadata.get(SOURCE_KEY, "fallback") for h in hits})
         with trace.timed("regrade"):
+            hits = yield from self._postprocess(hits, question, deadline)
             grading = yield _Io(
                 _bind(self._grader.grade, question, hits), _bind(self._grader.agrade, question, hits), _left(deadline)
             )
@@ -443,6 +452,7 @@ def _record(trace: CragTrace, nodes: Sequence[NodeWithScore], grading: Grading) 
     trace.nodes.extend(
         NodeGrade(
             node_id=n.node.node_id,
+            doc_id=n.node.metadata.get("doc_id") or n.node.ref_doc_id,
             score=round(score, 4),
             label=label.value,
             source=n.node.metadata.get(SOURCE_KEY, "retriever"),

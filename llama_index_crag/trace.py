@@ -65,6 +65,7 @@ class NodeGrade:
     score: float
     label: str
     source: str
+    doc_id: Optional[str] = None
 
 
 @dataclass

@@ -56,6 +56,18 @@ def test_reused_reranker_scores_make_grading_free(scripted_llm: ScriptedLLM) -> 
     assert [n["score"] for n in trace["nodes"]] == [0.02, 0.95]
 
 
+def test_fallback_results_pass_the_upstream_reranker_before_regrading(scripted_llm: ScriptedLLM) -> None:
+    reranker = CountingReranker()
+    engine = make_engine(
+        UpstreamScoreScorer.from_reranker(reranker), scripted_llm, primary=[BETA], node_postprocessors=[reranker]
+    )
+    response = engine.query("How much money does project A get?")
+    trace = crag(response)
+    assert trace["action"] == "incorrect" and not trace["abstained"], trace["abstain_reason"]
+    assert reranker.calls == 2
+    assert response.source_nodes[0].node.node_id == "alpha" and response.source_nodes[0].score == 0.95
+
+
 def test_ambiguous_branch_keeps_only_relevant_strips_in_document_order(scripted_llm: ScriptedLLM) -> None:
     scorer = MarkerScorer({"alpha project budget was discussed": 0.5, "porto": 0.4})
     engine = make_engine(scorer, scripted_llm, primary=[GAMMA], strip_min_tokens=4)

@@ -54,7 +54,9 @@ def test_evidence_features_see_coverage_and_answer_type() -> None:
 
 def test_evidence_scorer_learns_weights_and_round_trips_them() -> None:
     scorer = EvidenceScorer()
-    x = np.array([[0.9, 1, 1, 1, 1, 1], [0.8, 0.9, 0.9, 1, 0.5, 1], [0.2, 0.1, 0.1, 0, 0, 0], [0.3, 0.2, 0.1, 0, 0, 0.5]])
+    x = np.array(
+        [[0.9, 1, 1, 1, 1, 1], [0.8, 0.9, 0.9, 1, 0.5, 1], [0.2, 0.1, 0.1, 0, 0, 0], [0.3, 0.2, 0.1, 0, 0, 0.5]]
+    )
     state = scorer.fit(x, [True, True, False, False]).state()
     other = EvidenceScorer().load_state(state)
     assert other.weights.tolist() == pytest.approx(state["weights"])
@@ -93,8 +95,21 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
     assert data["thresholds"]["lower"] <= data["thresholds"]["upper"]
     assert set(data["samples"]) == {"in-corpus", "out-of-corpus", "unanswerable"}
     assert len(data["scorer_state"]["weights"]) == len(FEATURES) + 1
-    assert main(["grade-report", "--dataset", str(SAMPLE_DIR), "--out", str(tmp_path / "r"), "--folds", "3",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "grade-report",
+                "--dataset",
+                str(SAMPLE_DIR),
+                "--out",
+                str(tmp_path / "r"),
+                "--folds",
+                "3",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "r" / "grade-report.json").read_text())
     rows = {r["scorer"]: r["rows"] for r in report["results"]}
     assert 0.5 < rows["evidence:all-MiniLM-L6-v2"]["out-of-corpus"]["auroc"] <= 1.0
@@ -103,8 +118,19 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
     with pytest.raises(ValueError, match="calibrate on a split"):
         from llama_index_crag.grade_report import run_report
 
-        run_report(SAMPLE_DIR, ["evidence"], calibration, tmp_path / "again", 5, 3, None, 0, {
-            "target_precision": 0.9, "target_recall": 0.9}, 8, progress=False)
+        run_report(
+            SAMPLE_DIR,
+            ["evidence"],
+            calibration,
+            tmp_path / "again",
+            5,
+            3,
+            None,
+            0,
+            {"target_precision": 0.9, "target_recall": 0.9},
+            8,
+            progress=False,
+        )
 
 
 def test_the_engine_loads_learned_weights_from_its_calibration_file(tmp_path: Path) -> None:
@@ -112,8 +138,11 @@ def test_the_engine_loads_learned_weights_from_its_calibration_file(tmp_path: Pa
     main(["calibrate", "--dataset", str(SAMPLE_DIR), "--out", str(calibration), "--no-progress"])
     nodes = load_documents()
     engine = CorrectiveQueryEngine.from_defaults(
-        nodes=nodes, llm=ScriptedLLM(), scorer=EvidenceScorer(corpus=[n.text for n in nodes]),
-        calibration_path=str(calibration), fallback_sources=("bm25",),
+        nodes=nodes,
+        llm=ScriptedLLM(),
+        scorer=EvidenceScorer(corpus=[n.text for n in nodes]),
+        calibration_path=str(calibration),
+        fallback_sources=("bm25",),
     )
     data = json.loads(calibration.read_text())
     assert engine.grader.scorer.weights.tolist() == pytest.approx(data["scorer_state"]["weights"])  # type: ignore[attr-defined]

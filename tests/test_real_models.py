@@ -130,9 +130,10 @@ def test_grading_reuses_an_upstream_cross_encoder_rerank(cross_encoder_dir: Path
     reranked = reranker.postprocess_nodes([NodeWithScore(node=n) for n in (ALPHA, BETA)], query_str="alpha budget")
     direct = CrossEncoderScorer(str(cross_encoder_dir)).score_texts("alpha budget", [n.node.text for n in reranked])
     assert scorer.score_nodes(QueryBundle("alpha budget"), reranked) == pytest.approx(direct, abs=1e-4)
-    assert scorer.score_texts("alpha budget", [ALPHA.text]) == pytest.approx(
-        direct[:1] if reranked[0].node is ALPHA else direct[1:], abs=1e-4
-    )
+    narrow = UpstreamScoreScorer.from_reranker(SentenceTransformerRerank(model=str(cross_encoder_dir), top_n=1))
+    strips = [ALPHA.text, BETA.text, GAMMA.text]
+    expected = CrossEncoderScorer(str(cross_encoder_dir)).score_texts("alpha budget", strips)
+    assert narrow.score_texts("alpha budget", strips) == pytest.approx(expected, abs=1e-4), "no strip cut by top_n"
     engine = CorrectiveQueryEngine.from_defaults(
         retriever=FixedRetriever([ALPHA, BETA]),
         llm=ScriptedLLM(),

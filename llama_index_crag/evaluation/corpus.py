@@ -161,7 +161,7 @@ class EvalCorpus:
 
         inner = embed_model or default_embed_model()
         corpus_file = Path(folder) / "corpus.jsonl"
-        model = Path(inner.model_name).name or "model"
+        model = f"{Path(inner.model_name).name}-{_key(inner.model_name)[:8]}"
         cached = DiskCachedEmbedding(
             inner, cache_dir / "eval" / f"{Path(folder).name}-{content_hash(corpus_file)}" / f"{model}.npz", progress
         )

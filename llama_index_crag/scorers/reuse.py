@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, List, Literal, Optional, Sequence
+from typing import Any, Callable, List, Literal, Optional, Sequence
 
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
@@ -17,8 +17,9 @@ class UpstreamScoreScorer(RelevanceScorer):
 
     Put the reranker in the engine's ``node_postprocessors``; grading then reads
     ``NodeWithScore.score`` and makes no model call of its own. Knowledge strips have
-    no upstream score, so they are scored by the reranker itself (same model, same
-    scale) when one is given.
+    no upstream score, so they are scored by the reranker's own model (same model, same
+    scale, none cut by its ``top_n``) when one is given. Fallback results go through the
+    pipeline's postprocessors before they are graded, so they carry the same scores.
 
     Normalisation: ``"identity"`` for rerankers that already output probabilities
     (sentence-transformers ``SentenceTransformerRerank`` applies the model's sigmoid),
@@ -78,6 +79,13 @@ class UpstreamScoreScorer(RelevanceScorer):
                 "scoring knowledge strips needs the reranker itself: "
                 "build the scorer with UpstreamScoreScorer.from_reranker(reranker)"
             )
+        model: Any = getattr(self.reranker, "_model", None)
+        pairs = [(query, text) for text in texts]
+        if hasattr(model, "compute_score"):  # FlagEmbedding's FlagReranker
+            raw = model.compute_score(pairs)
+            return [self._normalise(float(v)) for v in ([raw] if isinstance(raw, float) else raw)]
+        if hasattr(model, "predict"):  # sentence-transformers' CrossEncoder
+            return [self._normalise(float(v)) for v in model.predict(pairs, show_progress_bar=False)]
         candidates = [NodeWithScore(node=TextNode(text=t, id_=str(i))) for i, t in enumerate(texts)]
         ranked = self.reranker.postprocess_nodes(candidates, QueryBundle(query))
         by_id = {n.node.node_id: self._normalise(n.score) for n in ranked}
