@@ -26,7 +26,7 @@ from llama_index.core.llms import LLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
-from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 from llama_index.core.settings import Settings
 
 from llama_index_crag.fallback import SOURCE_KEY, FallbackRetriever
@@ -158,7 +158,8 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         from ``nodes`` or the index's docstore); with no nodes at hand (a remote vector
         store), the rewritten query goes back through the primary retriever.
 
-        ``scorer`` defaults to the offline bi-encoder on the bundled MiniLM. Any keyword
+        ``scorer`` defaults to the offline ``EvidenceScorer`` (bundled MiniLM plus lexical
+        and answer-type evidence, IDF from the same nodes). Any keyword
         of ``CragSettings`` (``upper``, ``lower``, ``max_rewrites``, ``enabled`` ...)
         may be passed; it wins over ``CRAG_*`` variables and the calibration file.
         """
@@ -166,10 +167,13 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         unknown = set(settings) - set(CragSettings.model_fields)
         if unknown:
             raise TypeError(f"unknown settings {sorted(unknown)}; see CragSettings for the names")
+        if nodes is None and index is not None:
+            nodes = list(index.docstore.docs.values())
         if scorer is None:
-            from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
+            from llama_index_crag.scorers.evidence import EvidenceScorer
 
-            scorer = BiEncoderScorer(embed_model)
+            corpus = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes or []]
+            scorer = EvidenceScorer(embed_model, corpus=corpus or None)
         calibration_path = calibration_path or os.environ.get("CRAG_CALIBRATION")
         load_state = getattr(scorer, "load_state", None)
         if calibration_path and load_state is not None:
@@ -193,8 +197,6 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         if retriever is None:
             assert index is not None
             retriever = index.as_retriever(similarity_top_k=resolved.similarity_top_k)
-        if nodes is None and index is not None:
-            nodes = list(index.docstore.docs.values())
         if fallback is None:
             if nodes and any(n.get_content().strip() for n in nodes):
                 fallback = FallbackRetriever.from_nodes(

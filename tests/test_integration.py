@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import load_questions
+from llama_index_crag.scorers import EvidenceScorer
 
 from .conftest import ScriptedLLM
 
@@ -47,7 +48,8 @@ def test_answerable_question_is_answered_with_a_full_trace(engine: CorrectiveQue
     assert TRACE_FIELDS <= set(trace)
     assert trace["action"] in ("correct", "ambiguous") and not trace["abstained"]
     assert "harbor-001" in [n.node.metadata["doc_id"] for n in response.source_nodes]
-    assert trace["thresholds"] == {"upper": 0.55, "lower": 0.3, "aggregation": "max"}
+    assert trace["scorer"] == "evidence:all-MiniLM-L6-v2"
+    assert trace["thresholds"] == {**EvidenceScorer.DEFAULT_THRESHOLDS, "aggregation": "max"}
     assert all(n["label"] in ("correct", "ambiguous", "incorrect") for n in trace["nodes"])
     assert {"retrieve", "grade", "generate", "crag_ms"} <= set(trace["timings_ms"])
     assert trace["timings_ms"]["crag_ms"] >= trace["timings_ms"]["grade"] > 0
