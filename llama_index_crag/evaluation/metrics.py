@@ -191,10 +191,11 @@ def targets(figures: Dict[str, Dict[str, Any]], rows: Sequence[Dict[str, Any]], 
             lower=True,
         ),
     ]
-    added = ours["latency_ms"]["total"]["p95"] - base["latency_ms"]["total"]["p95"]
-    found.append(
-        Target("p95 latency added (end to end)", f"+{SEED_P95_MS:.0f} ms", f"{added:+.0f} ms", added <= SEED_P95_MS)
-    )
+    for stage, label in (("total", "end to end"), ("pipeline", "pipeline: less the generator's calls")):
+        added = ours["latency_ms"][stage]["p95"] - base["latency_ms"][stage]["p95"]
+        found.append(
+            Target(f"p95 latency added, {label}", f"+{SEED_P95_MS:.0f} ms", f"{added:+.0f} ms", added <= SEED_P95_MS)
+        )
     ratio = correct_path_ratio(rows, system)
     found.append(
         Target(
