@@ -21,7 +21,7 @@ from llama_index_crag.evaluation.generator import SKIPPED_ANSWER, MeteredLLM
 from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
 from llama_index_crag.evaluation.metrics import summarize
 from llama_index_crag.evaluation.report import PLOTS
-from llama_index_crag.evaluation.systems import SYSTEMS
+from llama_index_crag.evaluation.systems import SCORERS, SYSTEMS
 
 from .conftest import ALPHA, BETA, CORPUS, FixedRetriever, ScriptedLLM
 
@@ -262,3 +262,10 @@ def test_eval_with_the_bundled_generator_measures_answer_accuracy(dataset: Path,
         assert 0.0 <= f["accuracy"] <= 1.0, system
         assert f["latency_ms"]["generate"]["p50"] > 0, system
     assert results["figures"]["llm-judge"]["judge_calls"] == 5.0
+
+
+@pytest.mark.parametrize("name", sorted(SCORERS))
+def test_every_registered_scorer_builds_from_the_corpus_and_scores_in_unit_range(name: str) -> None:
+    scorer = SCORERS[name](list(DOCS.values()))
+    scores = scorer.score_texts("In which city is the gamma office?", [DOCS["gamma"], DOCS["beta"]])
+    assert all(0.0 <= s <= 1.0 for s in scores) and scores[0] > scores[1]

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from llama_index.core.llms import LLM
 from llama_index.core.response_synthesizers import ResponseMode, get_response_synthesizer
+from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
 from llama_index_crag.engine import CorrectiveQueryEngine
@@ -123,7 +124,9 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
     generator = MeteredLLM(llm, count, generate=config.generate)
     parts = SystemParts(
         corpus=corpus,
-        make_scorer=partial(SCORERS[config.scorer], [n.get_content() for n in corpus.nodes]),
+        make_scorer=partial(
+            SCORERS[config.scorer], [n.get_content(metadata_mode=MetadataMode.EMBED) for n in corpus.nodes]
+        ),
         llm=llm,
         synthesizer=get_response_synthesizer(llm=generator, response_mode=ResponseMode.COMPACT),
         top_k=config.top_k,

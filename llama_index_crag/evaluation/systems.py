@@ -18,12 +18,15 @@ from llama_index_crag.evaluation.corpus import EvalCorpus
 from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
+from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.settings import CragSettings
 
-#: ``--scorer`` values: CRAG's relevance scorer (and rerank-only's reranker), built from the corpus texts.
+#: ``--scorer`` values: CRAG's relevance scorer (and rerank-only's reranker), built from the corpus texts
+#: (as the engine sees them for embedding: metadata included).
 #: A new scorer is one more line.
 SCORERS: Dict[str, Callable[[Sequence[str]], RelevanceScorer]] = {
     "bi-encoder": lambda corpus: BiEncoderScorer(),
+    "evidence": lambda corpus: EvidenceScorer(corpus=corpus),
 }
 
 
