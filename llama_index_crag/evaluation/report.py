@@ -70,11 +70,7 @@ def markdown(results: Dict[str, Any]) -> str:
         + (f", thresholds upper={thresholds['upper']}, lower={thresholds['lower']}." if thresholds else "."),
         f"- Index: bundled all-MiniLM-L6-v2, `VectorStoreIndex`, top-{config['top_k']}. Fallback: BM25 and "
         "sentence windows over the same chunks.",
-        f"- Rerank-only: top-{config['rerank_top_k']} reranked by the same scorer, top-{config['rerank_top_n']} kept "
-        "(no cross-encoder weights exist offline; with the bi-encoder, which ranks as the index does, this is "
-        "plain RAG with a shorter context).",
-        "- LLM-judge: the generator grades each chunk yes/no (one call per chunk); any no rewrites the query and "
-        "adds the fallback's results ungraded (CorrectiveRAGPack, LangGraph's CRAG tutorial).",
+        *_system_notes(meta, config, systems),
         f"- Set-up {meta['setup_s']} s; systems: " + ", ".join(f"{s} {t} s" for s, t in meta["wall_s"].items()) + ".",
         "",
         "## Figures",
@@ -108,6 +104,26 @@ def markdown(results: Dict[str, Any]) -> str:
         ]
     lines += ["## Plots", "", *(f"![{p[:-4]}]({p})" for p in PLOTS), ""]
     return "\n".join(lines)
+
+
+def _system_notes(meta: Dict[str, Any], config: Dict[str, Any], systems: List[str]) -> List[str]:
+    notes = []
+    if "rerank" in systems:
+        same = (
+            " With the bi-encoder, which ranks as the index does, this is plain RAG with a shorter context."
+            if meta["scorer"].startswith("bi-encoder")
+            else ""
+        )
+        notes.append(
+            f"- Rerank-only: top-{config['rerank_top_k']} reranked by CRAG's scorer, top-{config['rerank_top_n']} kept "
+            f"(no cross-encoder weights exist offline).{same}"
+        )
+    if "llm-judge" in systems:
+        notes.append(
+            "- LLM-judge: the generator grades each chunk yes/no (one call per chunk); any no rewrites the query and "
+            "adds the fallback's results ungraded (CorrectiveRAGPack, LangGraph's CRAG tutorial)."
+        )
+    return notes
 
 
 def _latency_rows(figures: Figures, systems: List[str]) -> List[List[str]]:
