@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -109,7 +111,6 @@ class EvidenceScorer(RelevanceScorer):
         self._idf: Dict[str, float] = {}
         self._unseen_idf = 1.0
         self._rare_idf = math.inf
-        self._split = split_by_sentence_tokenizer()
         if corpus is not None:
             self.fit_corpus(corpus)
 
@@ -137,16 +138,15 @@ class EvidenceScorer(RelevanceScorer):
         expected = _expected_type(query)
         rows = []
         for text, cosine in zip(texts, cosines):
-            words = set(terms(text))
-            coverage = sum(w for t, w in weight.items() if t in words) / total
+            view = _passage(text)
+            coverage = sum(w for t, w in weight.items() if t in view.words) / total
             best_sentence, best = text, -1.0
-            for sentence in self._split(text) or [text]:
-                found = sum(w for t, w in weight.items() if t in set(terms(sentence))) / total
+            for sentence, sentence_words in view.sentences:
+                found = sum(w for t, w in weight.items() if t in sentence_words) / total
                 if found > best:
                     best_sentence, best = sentence, found
-            tokens = terms(text)
-            bigrams = len(q_bigrams & set(zip(tokens, tokens[1:]))) / len(q_bigrams) if q_bigrams else 0.0
-            rare_cov = len(rare & words) / len(rare) if rare else coverage
+            bigrams = len(q_bigrams & view.bigrams) / len(q_bigrams) if q_bigrams else 0.0
+            rare_cov = len(rare & view.words) / len(rare) if rare else coverage
             if expected is None:
                 answer_type = 0.5
             else:
@@ -181,6 +181,26 @@ class EvidenceScorer(RelevanceScorer):
             raise ValueError(f"calibration weights are for features {state.get('features')}, not {list(FEATURES)}")
         self.weights = np.asarray(state["weights"], dtype=np.float64)
         return self
+
+
+@dataclass(frozen=True)
+class _Passage:
+    """What the features need of a passage, computed once per distinct text."""
+
+    words: FrozenSet[str]
+    bigrams: FrozenSet[Tuple[str, str]]
+    sentences: Tuple[Tuple[str, FrozenSet[str]], ...]
+
+
+@lru_cache(maxsize=50_000)
+def _passage(text: str) -> _Passage:
+    tokens = terms(text)
+    split = [s for s in split_by_sentence_tokenizer()(text) if s.strip()] or [text]
+    return _Passage(
+        words=frozenset(tokens),
+        bigrams=frozenset(zip(tokens, tokens[1:])),
+        sentences=tuple((s, frozenset(terms(s))) for s in split),
+    )
 
 
 def _has_new(pattern: re.Pattern[str], sentence: str, query: str) -> bool:
