@@ -161,6 +161,7 @@ def test_flag_embedding_reranker_scores_are_read_as_logits(cross_encoder_dir: Pa
     assert scores == pytest.approx(direct, abs=1e-3)
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("script", ["quickstart.py", "chat_engine.py"])
 def test_examples_run_offline(script: str) -> None:
     result = subprocess.run(
@@ -170,6 +171,7 @@ def test_examples_run_offline(script: str) -> None:
     assert "action" in result.stdout
 
 
+@pytest.mark.timeout(900)
 def test_flag_reranker_example_runs_with_a_local_model(cross_encoder_dir: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "flag_reranker_grader.py"), "--model", str(cross_encoder_dir)],
@@ -181,6 +183,7 @@ def test_flag_reranker_example_runs_with_a_local_model(cross_encoder_dir: Path) 
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@pytest.mark.timeout(900)
 def test_the_demo_command_answers_and_abstains(tmp_path: Path) -> None:
     import json
     import shutil
