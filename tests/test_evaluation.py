@@ -261,7 +261,7 @@ def test_eval_with_the_bundled_generator_measures_answer_accuracy(dataset: Path,
     for system, f in results["figures"].items():
         assert 0.0 <= f["accuracy"] <= 1.0, system
         assert f["latency_ms"]["generate"]["p50"] > 0, system
-    assert 4 <= results["figures"]["llm-judge"]["judge_calls"] <= 5, "one call per chunk: 5 documents, 4 with one hidden"
+    assert 4 <= results["figures"]["llm-judge"]["judge_calls"] <= 5, "one call per chunk, one fewer if gold is hidden"
 
 
 @pytest.mark.parametrize("name", sorted(SCORERS))
