@@ -194,7 +194,7 @@ def test_the_demo_command_answers_and_abstains(tmp_path: Path) -> None:
     questions = [
         {
             "qid": "a",
-            "question": "Who is the CEO of Harbor Analytics?",
+            "question": "Who is the chief executive officer of Harbor Analytics?",
             "answers": ["Miriam Okafor"],
             "answerable": True,
             "relevant_doc_ids": ["harbor-001"],
