@@ -253,6 +253,7 @@ def test_false_abstention_counts_only_questions_plain_rag_had_in_context() -> No
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_eval_with_the_bundled_generator_measures_answer_accuracy(dataset: Path, tmp_path: Path) -> None:
     from llama_index_crag.llamacpp import BundledLlamaCPP
 
