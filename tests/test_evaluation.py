@@ -270,3 +270,15 @@ def test_every_registered_scorer_builds_from_the_corpus_and_scores_in_unit_range
     scorer = SCORERS[name](list(DOCS.values()))
     scores = scorer.score_texts("In which city is the gamma office?", [DOCS["gamma"], DOCS["beta"]])
     assert all(0.0 <= s <= 1.0 for s in scores) and scores[0] > scores[1]
+
+
+def test_a_row_left_half_written_by_a_killed_run_is_asked_again(dataset: Path, tmp_path: Path) -> None:
+    config = EvalConfig(dataset=dataset, out=tmp_path / "out", systems=["plain"], cache_dir=tmp_path, progress=False)
+    first = run_evaluation(config, JudgingLLM(), count_tokens=words)
+    rows_file = tmp_path / "out" / "rows.jsonl"
+    lines = rows_file.read_text().splitlines()
+    rows_file.write_text("\n".join(lines[:-1] + [lines[-1][:40]]) + "\n")
+    again = JudgingLLM()
+    second = run_evaluation(config, again, count_tokens=words)
+    assert again.calls["answer"] == 2, "the warm-up query, then the one row that was lost"
+    assert [(r["kind"], r["qid"]) for r in second["rows"]] == [(r["kind"], r["qid"]) for r in first["rows"]]

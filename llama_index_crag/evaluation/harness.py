@@ -210,8 +210,16 @@ def _resume(out: Path, fingerprint: Dict[str, Any], fresh: bool) -> Dict[Key, Di
     run_file, rows_file = out / RUN_FILE, out / ROWS_FILE
     if not fresh and run_file.exists() and rows_file.exists():
         if json.loads(run_file.read_text(encoding="utf-8")) == fingerprint:
-            rows = [json.loads(line) for line in rows_file.read_text(encoding="utf-8").splitlines() if line.strip()]
-            return {(r["system"], r["kind"], r["qid"]): r for r in rows}
+            rows = [_row(line) for line in rows_file.read_text(encoding="utf-8").splitlines()]
+            return {(r["system"], r["kind"], r["qid"]): r for r in rows if r}
     rows_file.write_text("", encoding="utf-8")
     run_file.write_text(json.dumps(fingerprint, indent=2), encoding="utf-8")
     return {}
+
+
+def _row(line: str) -> Dict[str, Any]:
+    """A saved row; empty for a line a killed run left half-written."""
+    try:
+        return dict(json.loads(line))
+    except json.JSONDecodeError:
+        return {}
