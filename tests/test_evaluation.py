@@ -257,7 +257,7 @@ def test_false_abstention_counts_only_questions_plain_rag_had_in_context() -> No
 def test_eval_with_the_bundled_generator_measures_answer_accuracy(dataset: Path, tmp_path: Path) -> None:
     from llama_index_crag.llamacpp import BundledLlamaCPP
 
-    config = EvalConfig(dataset=dataset, out=tmp_path / "out", limit=2, cache_dir=tmp_path, progress=False)
+    config = EvalConfig(dataset=dataset, out=tmp_path / "out", limit=1, cache_dir=tmp_path, progress=False)
     results = run_evaluation(config, BundledLlamaCPP())
     for system, f in results["figures"].items():
         assert 0.0 <= f["accuracy"] <= 1.0, system
