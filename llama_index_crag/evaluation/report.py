@@ -172,8 +172,9 @@ def _plots(out: Path, figures: Figures) -> None:
         systems,
         stages,
         lambda s, k: figures[s]["latency_ms"][k[0]][k[1]],
-        "milliseconds",
+        "milliseconds (log scale)",
         "Latency",
+        log=True,
     )
     fig, ax = plt.subplots(figsize=(7, 3.5))
     bottom = [0.0] * len(systems)
@@ -197,6 +198,7 @@ def _bars(
     value: Callable[[str, Any], Optional[float]],
     ylabel: str,
     title: str,
+    log: bool = False,
 ) -> None:
     """Grouped bars: one group per series, one bar per system."""
     fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(series)), 3.8))
@@ -206,6 +208,8 @@ def _bars(
         ax.bar([x + i * width for x in range(len(series))], heights, width, label=system)
     ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(series))])
     ax.set_xticklabels([label for label, _ in series], fontsize=7, rotation=15, ha="right")
+    if log:
+        ax.set_yscale("log")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
