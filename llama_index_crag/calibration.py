@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -16,7 +16,8 @@ from llama_index.core.schema import MetadataMode
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
-from llama_index_crag.datasets import Question, load_documents, load_questions
+from llama_index_crag.datasets import Question, _lines, load_documents, load_questions
+from llama_index_crag.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
 from llama_index_crag.settings import CALIBRATION_VERSION
@@ -24,7 +25,6 @@ from llama_index_crag.settings import CALIBRATION_VERSION
 IN_CORPUS = "in-corpus"
 OUT_OF_CORPUS = "out-of-corpus"
 UNANSWERABLE = "unanswerable"
-CACHE_DIR = Path(".crag-cache")
 
 
 @dataclass
@@ -46,23 +46,6 @@ class Batch:
     def has_answer(self) -> bool:
         """True for the batches the engine should answer from."""
         return self.kind == IN_CORPUS
-
-
-def corpus_embeddings(folder: Path, texts: Sequence[str], embed_model: BaseEmbedding, progress: bool) -> np.ndarray:
-    """Unit-length passage embeddings, cached on disk by model and corpus content."""
-    digest = hashlib.sha256(("\x00".join(texts) + embed_model.model_name).encode("utf-8")).hexdigest()[:16]
-    path = CACHE_DIR / f"embeddings-{Path(folder).name}-{digest}.npy"
-    if path.exists():
-        return np.load(path)
-    vectors: List[List[float]] = []
-    step = 64
-    for start in tqdm(range(0, len(texts), step), desc="embedding corpus", unit="batch", disable=not progress):
-        vectors.extend(embed_model.get_text_embedding_batch(list(texts[start : start + step])))
-    matrix = np.asarray(vectors, dtype=np.float32)
-    matrix /= np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
-    CACHE_DIR.mkdir(exist_ok=True)
-    np.save(path, matrix)
-    return matrix
 
 
 @dataclass
@@ -89,6 +72,7 @@ def labelled_batches(
     embed_model: Optional[BaseEmbedding] = None,
     limit: Optional[int] = None,
     progress: bool = True,
+    cache_dir: Path = DEFAULT_CACHE_DIR,
 ) -> LabelledSet:
     """Dense top-``k`` candidates for every question, labelled by the out-of-corpus protocol.
 
@@ -105,7 +89,7 @@ def labelled_batches(
     texts = [d.get_content(metadata_mode=MetadataMode.EMBED) for d in documents]
     ids = [d.doc_id for d in documents]
     questions = load_questions(folder)[:limit]
-    matrix = corpus_embeddings(folder, texts, embed_model, progress)
+    matrix = unit_vectors(corpus_cache(embed_model, folder / "corpus.jsonl", cache_dir, progress), texts)
     queries = embed_model.get_text_embedding_batch([q.question for q in questions])
     batches: List[Batch] = []
     for question, vector in zip(questions, queries):
@@ -210,8 +194,12 @@ def write_calibration(
     dataset: str,
     fitted_qids: Sequence[str],
     scorer_state: Optional[Mapping[str, Any]] = None,
+    strips: Optional[Mapping[str, float]] = None,
 ) -> Dict[str, Any]:
-    """Write the versioned calibration file that ``settings.load_calibration`` reads."""
+    """Write the versioned calibration file that ``settings.load_calibration`` reads.
+
+    ``strips`` (from ``fit_strip_threshold``) adds the knowledge-strip threshold and
+    what it achieved, when the set labels evidence sentences or short answers."""
     data: Dict[str, Any] = {
         "version": CALIBRATION_VERSION,
         "scorer": scorer.name,
@@ -227,7 +215,128 @@ def write_calibration(
         "fitted_qids": sorted(fitted_qids),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    if strips is not None:
+        data["thresholds"]["strip_threshold"] = strips["strip_threshold"]
+        data["strips"] = {k: strips[k] for k in ("evidence_kept", "other_dropped", "passages")}
     if scorer_state is not None:
         data["scorer_state"] = dict(scorer_state)
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return data
+
+
+@dataclass
+class StripSet:
+    """Knowledge strips of the gold passages of answerable questions, each labelled evidence or not.
+
+    A strip is evidence when it overlaps a sentence the dataset marks as evidence
+    (SciFact's ``evidence``), or, in a set with short answers (SQuAD), when it holds
+    a gold answer string. Only in-corpus batches contribute: the strips are what the
+    refiner sees on the AMBIGUOUS branch when retrieval did find the passage.
+    """
+
+    qids: List[str] = field(default_factory=list)
+    questions: List[str] = field(default_factory=list)
+    strips: List[List[str]] = field(default_factory=list)
+    labels: List[List[bool]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.qids)
+
+    def subset(self, qids: set) -> StripSet:
+        """The passages of the questions in ``qids``."""
+        keep = [i for i, qid in enumerate(self.qids) if qid in qids]
+        return StripSet(
+            [self.qids[i] for i in keep],
+            [self.questions[i] for i in keep],
+            [self.strips[i] for i in keep],
+            [self.labels[i] for i in keep],
+        )
+
+
+def _normalise(text: str) -> str:
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
+
+
+def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: int) -> StripSet:
+    """The strips ``StripRefiner`` would cut from each in-corpus batch's gold passages, labelled."""
+    from llama_index_crag.refiner import decompose
+
+    rows = {str(r["doc_id"]): r for r in _lines(Path(folder) / "corpus.jsonl")}
+    found = StripSet()
+    for batch in batches:
+        if batch.kind != IN_CORPUS:
+            continue
+        question = batch.question
+        answers = [_normalise(a) for a in question.answers if _normalise(a)]
+        for doc_id in dict.fromkeys(d for d, g in zip(batch.doc_ids, batch.gold) if g):
+            row = rows.get(doc_id)
+            if row is None:
+                continue
+            sentences = row.get("sentences") if doc_id in question.evidence else None
+            text = " ".join(sentences) if sentences else str(row["text"])
+            strips = [s.text for s in decompose(text, min_tokens)]
+            if sentences:
+                wanted = [_normalise(sentences[i]) for i in question.evidence[doc_id] if i < len(sentences)]
+                labels = [any(w and (w in _normalise(s) or _normalise(s) in w) for w in wanted) for s in strips]
+            elif answers:
+                labels = [any(a in _normalise(s) for a in answers) for s in strips]
+            else:
+                continue
+            if len(strips) > 1 and any(labels):
+                found.qids.append(question.qid)
+                found.questions.append(question.question)
+                found.strips.append(strips)
+                found.labels.append(labels)
+    return found
+
+
+def score_strips(scorer: RelevanceScorer, strips: StripSet, progress: bool = True) -> List[List[float]]:
+    """The scorer's score of every strip, passage by passage."""
+    return [
+        scorer.score_texts(question, texts)
+        for question, texts in tqdm(
+            list(zip(strips.questions, strips.strips)), desc="scoring strips", unit="passage", disable=not progress
+        )
+    ]
+
+
+def fit_strip_threshold(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[bool]]) -> Dict[str, float]:
+    """The strip threshold that best separates evidence strips from the rest (Youden's J).
+
+    Returns it with the share of evidence strips it keeps and of other strips it drops
+    on these rows.
+    """
+    flat = np.asarray([s for row in scores for s in row], dtype=np.float64)
+    truth = np.asarray([lab for row in labels for lab in row], dtype=bool)
+    if truth.all() or not truth.any():
+        raise ValueError("fitting the strip threshold needs both evidence and other strips")
+    best, best_j = float(flat.min()), -1.0
+    for threshold in np.unique(flat):
+        kept = flat >= threshold
+        j = kept[truth].mean() - kept[~truth].mean()
+        if j > best_j:
+            best, best_j = float(threshold), float(j)
+    return {"strip_threshold": round(best, 6), **strip_outcome(scores, labels, best), "passages": len(scores)}
+
+
+def strip_outcome(
+    scores: Sequence[Sequence[float]], labels: Sequence[Sequence[bool]], threshold: float
+) -> Dict[str, float]:
+    """Evidence strips kept and other strips dropped at ``threshold``, as ``StripRefiner`` applies it
+    (a passage where no strip clears the threshold is passed on whole)."""
+    kept_evidence = total_evidence = dropped_other = total_other = 0
+    for row_scores, row_labels in zip(scores, labels):
+        kept = [s >= threshold for s in row_scores]
+        if not any(kept):
+            kept = [True] * len(kept)
+        for keep, is_evidence in zip(kept, row_labels):
+            if is_evidence:
+                total_evidence += 1
+                kept_evidence += keep
+            else:
+                total_other += 1
+                dropped_other += not keep
+    return {
+        "evidence_kept": kept_evidence / total_evidence if total_evidence else 0.0,
+        "other_dropped": dropped_other / total_other if total_other else 0.0,
+    }

@@ -83,10 +83,24 @@ def _calibrate(args: argparse.Namespace) -> int:
     from llama_index_crag.grade_report import run_calibration
 
     data = run_calibration(
-        Path(args.dataset), args.scorer, Path(args.out), args.k, args.limit, args.split, _targets(args), args.progress
+        Path(args.dataset),
+        args.scorer,
+        Path(args.out),
+        args.k,
+        args.limit,
+        args.split,
+        _targets(args),
+        args.progress,
+        args.strip_min_tokens,
     )
     t, a = data["thresholds"], data["achieved"]
     print(f"Scorer {data['scorer']}: upper={t['upper']:.4f} lower={t['lower']:.4f}")
+    if "strip_threshold" in t:
+        print(
+            f"Knowledge strips: threshold {t['strip_threshold']:.4f} keeps {data['strips']['evidence_kept']:.3f} of "
+            f"evidence strips and drops {data['strips']['other_dropped']:.3f} of the others "
+            f"(strips of {data['strips']['passages']} gold passages)."
+        )
     print(
         f"Achieved on {sum(data['samples'].values())} batches {data['samples']}: precision of CORRECT "
         f"{a['precision_correct']:.3f}, recall of INCORRECT {a['recall_incorrect']:.3f}. Wrote {args.out}."
@@ -116,9 +130,16 @@ def _grade_report(args: argparse.Namespace) -> int:
         if result.get("strips"):
             s = result["strips"]
             print(
-                f"\nStrips ({result['scorer']}): evidence sentences kept {s['evidence_kept']:.3f} of "
-                f"{s['evidence_sentences']}, other sentences dropped {s['other_dropped']:.3f} of {s['other_sentences']}"
+                f"\nStrips ({result['scorer']}, threshold {s['strip_threshold_mean']:.3f}): evidence strips kept "
+                f"{s['evidence_kept']:.3f} of {s['evidence_strips']}, other strips dropped {s['other_dropped']:.3f} "
+                f"of {s['other_strips']}"
             )
+            if s.get("at_lower"):
+                low = s["at_lower"]
+                print(
+                    f"  at the passage threshold lower instead: kept {low['evidence_kept']:.3f}, "
+                    f"dropped {low['other_dropped']:.3f}"
+                )
     print(f"\nWrote {args.out}/grade-report.json, .md and .png")
     return 0
 
@@ -129,6 +150,7 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="use only the first N questions")
     parser.add_argument("--target-precision", type=float, default=0.9, help="precision wanted of CORRECT")
     parser.add_argument("--target-recall", type=float, default=0.9, help="share of out-of-corpus batches to catch")
+    parser.add_argument("--strip-min-tokens", type=int, default=8, help="knowledge-strip size, as in the engine")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
 
 
@@ -160,7 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--calibration", default=None, help="use this file's thresholds on the rows it was not fit on")
     report.add_argument("--folds", type=int, default=5, help="cross-validation folds when no calibration is given")
     report.add_argument("--judge-limit", type=int, default=40, help="batches the (slow) LLM judge grades")
-    report.add_argument("--strip-min-tokens", type=int, default=8, help="strip size for the refiner measurement")
     report.add_argument("--out", default="grade-report", help="folder for the JSON, Markdown and PNG")
     report.set_defaults(run=_grade_report)
     add_eval_parser(commands)

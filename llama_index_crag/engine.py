@@ -216,7 +216,11 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 aggregation=resolved.aggregation,
                 min_relevant=resolved.min_relevant,
             ),
-            refiner=StripRefiner(scorer, threshold=resolved.lower, strip_min_tokens=resolved.strip_min_tokens),
+            refiner=StripRefiner(
+                scorer,
+                threshold=resolved.lower if resolved.strip_threshold is None else resolved.strip_threshold,
+                strip_min_tokens=resolved.strip_min_tokens,
+            ),
             fallback=fallback,
             rewriter=QueryRewriter(llm),
             response_synthesizer=synthesizer,
@@ -229,6 +233,11 @@ class CorrectiveQueryEngine(BaseQueryEngine):
     def grader(self) -> RelevanceGrader:
         """The grader that routes each query."""
         return self._grader
+
+    @property
+    def refiner(self) -> StripRefiner:
+        """The knowledge-strip refiner of the AMBIGUOUS branch."""
+        return self._refiner
 
     @property
     def retriever(self) -> BaseRetriever:

@@ -14,9 +14,14 @@ from llama_index_crag.calibration import (
     OUT_OF_CORPUS,
     UNANSWERABLE,
     Batch,
+    StripSet,
+    fit_strip_threshold,
     fit_thresholds,
     labelled_batches,
+    labelled_strips,
     score_batches,
+    score_strips,
+    strip_outcome,
     write_calibration,
 )
 from llama_index_crag.grader import Verdict, band
@@ -58,6 +63,7 @@ class Outcome:
     upper: np.ndarray
     lower: np.ndarray
     pairs_per_second: float
+    strips: Optional[Dict[str, Any]] = None
 
 
 def _folds(batches: Sequence[Batch], folds: int) -> np.ndarray:
@@ -74,8 +80,8 @@ def _evidence_aggregate(
     train: np.ndarray,
     test: np.ndarray,
     scorer: EvidenceScorer,
-) -> Tuple[np.ndarray, np.ndarray]:
-    """Fit the evidence weights on the training batches; batch scores of train and test with them."""
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fit the evidence weights on the training batches; batch scores of train and test with them, and the weights."""
     rows = np.concatenate([f for f, t in zip(features, train) if t])
     labels = np.concatenate([np.asarray(b.gold) & b.has_answer for b, t in zip(batches, train) if t])
     weights = scorer.fit(rows, labels).weights.copy()
@@ -85,7 +91,7 @@ def _evidence_aggregate(
             [max(sigmoid(float(v)) for v in f @ weights[:-1] + weights[-1]) for f, m in zip(features, mask) if m]
         )
 
-    return aggregate(train), aggregate(test)
+    return aggregate(train), aggregate(test), weights
 
 
 def cross_validate(
@@ -94,8 +100,13 @@ def cross_validate(
     folds: int = 5,
     targets: Optional[Mapping[str, float]] = None,
     progress: bool = True,
+    strips: Optional[StripSet] = None,
 ) -> Outcome:
-    """Score every batch with weights and thresholds fitted on the other folds only."""
+    """Score every batch with weights and thresholds fitted on the other folds only.
+
+    With ``strips``, the knowledge-strip threshold is cross-validated the same way:
+    fitted on the strips of the training folds' questions, measured on the others.
+    """
     targets = dict(targets or {"target_precision": 0.9, "target_recall": 0.9})
     scored = score_batches(scorer, batches, progress=progress)
     fixed = scored.aggregate()
@@ -107,23 +118,102 @@ def cross_validate(
     aggregate = np.zeros(len(batches))
     upper = np.zeros(len(batches))
     lower = np.zeros(len(batches))
+    strip_cv = _StripCV(scorer, strips, progress) if strips else None
+    qids = np.asarray([b.question.qid for b in batches])
     for fold in range(folds):
         test = fold_of == fold
         train = ~test
         if not test.any():
             continue
+        weights = None
         if isinstance(scorer, EvidenceScorer):
-            train_scores, test_scores = _evidence_aggregate(features, batches, train, test, scorer)
+            train_scores, test_scores, weights = _evidence_aggregate(features, batches, train, test, scorer)
         else:
             train_scores, test_scores = fixed[train], fixed[test]
         fitted = fit_thresholds(train_scores, kinds[train], **targets)
         aggregate[test] = test_scores
         upper[test], lower[test] = fitted["upper"], fitted["lower"]
-    return Outcome(scorer.name, scorer.normalization, batches, aggregate, upper, lower, scored.pairs_per_second)
+        if strip_cv is not None:
+            strip_cv.fold(set(qids[train]), set(qids[test]), weights, fitted["lower"])
+    return Outcome(
+        scorer.name,
+        scorer.normalization,
+        batches,
+        aggregate,
+        upper,
+        lower,
+        scored.pairs_per_second,
+        strip_cv.result() if strip_cv else None,
+    )
+
+
+class _StripCV:
+    """Cross-validated strip figures: a threshold fitted per fold on the training questions' strips.
+
+    Measures the fitted strip threshold, and for comparison the fold's passage-level
+    ``lower`` (what the refiner uses when no strip threshold is set).
+    """
+
+    def __init__(self, scorer: RelevanceScorer, strips: StripSet, progress: bool) -> None:
+        self.strips = strips
+        self.evidence = scorer if isinstance(scorer, EvidenceScorer) else None
+        if self.evidence is not None:
+            self.features = [self.evidence.features(q, t) for q, t in zip(strips.questions, strips.strips)]
+            self.scores: List[List[float]] = []
+        else:
+            self.scores = score_strips(scorer, strips, progress)
+        self.counts = {"fitted": np.zeros(4), "lower": np.zeros(4)}
+        self.thresholds: List[float] = []
+
+    def fold(self, train: set, test: set, weights: Optional[np.ndarray], lower: float) -> None:
+        scores = self.scores
+        if self.evidence is not None and weights is not None:
+            scores = [[sigmoid(float(v)) for v in f @ weights[:-1] + weights[-1]] for f in self.features]
+        in_train = [qid in train for qid in self.strips.qids]
+        in_test = [qid in test for qid in self.strips.qids]
+        train_scores = [s for s, m in zip(scores, in_train) if m]
+        train_labels = [lab for lab, m in zip(self.strips.labels, in_train) if m]
+        test_scores = [s for s, m in zip(scores, in_test) if m]
+        test_labels = [lab for lab, m in zip(self.strips.labels, in_test) if m]
+        if not test_scores or not train_scores:
+            return
+        threshold = fit_strip_threshold(train_scores, train_labels)["strip_threshold"]
+        self.thresholds.append(threshold)
+        for key, value in (("fitted", threshold), ("lower", lower)):
+            self.counts[key] += _strip_counts(test_scores, test_labels, value)
+
+    def result(self) -> Dict[str, Any]:
+        def shares(c: np.ndarray) -> Dict[str, Optional[float]]:
+            return {
+                "evidence_kept": float(c[0] / c[1]) if c[1] else None,
+                "other_dropped": float(c[2] / c[3]) if c[3] else None,
+            }
+
+        fitted = self.counts["fitted"]
+        return {
+            "passages": len(self.strips),
+            "evidence_strips": int(fitted[1]),
+            "other_strips": int(fitted[3]),
+            "strip_threshold_mean": float(np.mean(self.thresholds)) if self.thresholds else None,
+            **shares(fitted),
+            "at_lower": shares(self.counts["lower"]),
+        }
+
+
+def _strip_counts(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[bool]], threshold: float) -> np.ndarray:
+    """Evidence kept, evidence total, others dropped, others total."""
+    shares = strip_outcome(scores, labels, threshold)
+    evidence = sum(sum(row) for row in labels)
+    others = sum(len(row) - sum(row) for row in labels)
+    return np.asarray([shares["evidence_kept"] * evidence, evidence, shares["other_dropped"] * others, others])
 
 
 def with_calibration(
-    scorer: RelevanceScorer, batches: List[Batch], calibration: Mapping[str, Any], progress: bool = True
+    scorer: RelevanceScorer,
+    batches: List[Batch],
+    calibration: Mapping[str, Any],
+    progress: bool = True,
+    strips: Optional[StripSet] = None,
 ) -> Outcome:
     """Score the batches the calibration file was not fitted on, with its thresholds."""
     fitted = set(calibration.get("fitted_qids", []))
@@ -135,6 +225,20 @@ def with_calibration(
     scored = score_batches(scorer, held_out, progress=progress)
     n = len(held_out)
     thresholds = calibration["thresholds"]
+    strip_figures = None
+    if strips:
+        test = strips.subset({b.question.qid for b in held_out})
+        if len(test):
+            strip_threshold = thresholds.get("strip_threshold", thresholds["lower"])
+            scores = score_strips(scorer, test, progress)
+            counts = _strip_counts(scores, test.labels, strip_threshold)
+            strip_figures = {
+                "passages": len(test),
+                "evidence_strips": int(counts[1]),
+                "other_strips": int(counts[3]),
+                "strip_threshold_mean": float(strip_threshold),
+                **strip_outcome(scores, test.labels, strip_threshold),
+            }
     return Outcome(
         scorer.name,
         scorer.normalization,
@@ -143,6 +247,7 @@ def with_calibration(
         np.full(n, thresholds["upper"]),
         np.full(n, thresholds["lower"]),
         scored.pairs_per_second,
+        strip_figures,
     )
 
 
@@ -221,43 +326,6 @@ def plot(outcomes: Sequence[Outcome], path: Path) -> None:
     plt.close(fig)
 
 
-def strip_report(
-    scorer: RelevanceScorer, folder: Path, batches: Sequence[Batch], lower: float, min_tokens: int
-) -> Optional[Dict[str, Any]]:
-    """On a dataset that labels evidence sentences (SciFact): evidence strips kept, others dropped."""
-    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
-
-    from llama_index_crag.refiner import StripRefiner
-
-    rows = [json.loads(line) for line in (folder / "corpus.jsonl").open(encoding="utf-8") if line.strip()]
-    sentences = {str(r["doc_id"]): r.get("sentences") for r in rows}
-    questions = [b.question for b in batches if b.kind == IN_CORPUS and b.question.evidence]
-    if not questions:
-        return None
-    refiner = StripRefiner(scorer, threshold=lower, strip_min_tokens=min_tokens)
-    kept = {True: 0, False: 0}
-    total = {True: 0, False: 0}
-    for question in questions:
-        for doc_id, indices in question.evidence.items():
-            doc_sentences = sentences.get(doc_id) or []
-            if not doc_sentences:
-                continue
-            node = TextNode(text=" ".join(doc_sentences))
-            refined = refiner.refine(QueryBundle(question.question), [NodeWithScore(node=node)])
-            kept_text = "" if refined.used_original else refined.nodes[0].node.get_content()
-            for i, sentence in enumerate(doc_sentences):
-                is_evidence = i in indices
-                total[is_evidence] += 1
-                kept[is_evidence] += int(sentence.strip() in kept_text)
-    return {
-        "claims": len(questions),
-        "evidence_sentences": total[True],
-        "evidence_kept": kept[True] / total[True] if total[True] else None,
-        "other_sentences": total[False],
-        "other_dropped": 1 - kept[False] / total[False] if total[False] else None,
-    }
-
-
 def run_report(
     dataset: Path,
     scorers: Sequence[str],
@@ -274,6 +342,7 @@ def run_report(
     """Measure each scorer on ``dataset`` out of sample; write JSON, Markdown and a PNG to ``out``."""
     labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress)
     batches, corpus = labelled.batches, labelled.corpus
+    strips = labelled_strips(dataset, batches, min_tokens)
     calibration_data = json.loads(calibration.read_text(encoding="utf-8")) if calibration else None
     outcomes: List[Outcome] = []
     results: List[Dict[str, Any]] = []
@@ -285,12 +354,11 @@ def run_report(
             keep = {b.question.qid for b in batches[:judge_limit]}
             subset = [b for b in batches if b.question.qid in keep]
         if calibration_data is not None and calibration_data.get("scorer") == scorer.name:
-            outcome = with_calibration(scorer, subset, calibration_data, progress)
+            outcome = with_calibration(scorer, subset, calibration_data, progress, strips)
         else:
-            outcome = cross_validate(scorer, subset, folds=folds, targets=targets, progress=progress)
+            outcome = cross_validate(scorer, subset, folds=folds, targets=targets, progress=progress, strips=strips)
         result = figures(outcome)
-        if name != "llm-judge":
-            result["strips"] = strip_report(scorer, dataset, subset, float(outcome.lower.mean()), min_tokens)
+        result["strips"] = outcome.strips
         outcomes.append(outcome)
         results.append(result)
     out.mkdir(parents=True, exist_ok=True)
@@ -316,8 +384,13 @@ def run_calibration(
     split: Optional[str],
     targets: Mapping[str, float],
     progress: bool = True,
+    min_tokens: int = 8,
 ) -> Dict[str, Any]:
-    """Fit thresholds (and the evidence scorer's weights) on ``dataset`` and write the calibration file."""
+    """Fit thresholds (and the evidence scorer's weights) on ``dataset`` and write the calibration file.
+
+    When the set labels evidence sentences or short answers, the knowledge-strip
+    threshold is fitted too, on the strips of the same questions' gold passages.
+    """
     labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress)
     batches = labelled.batches
     if split is not None:
@@ -334,6 +407,12 @@ def run_calibration(
     scored = score_batches(scorer, batches, progress=progress)
     thresholds = fit_thresholds(scored.aggregate(), [b.kind for b in batches], **targets)
     counts = {kind: sum(1 for b in batches if b.kind == kind) for kind in KINDS}
+    strips = labelled_strips(dataset, batches, min_tokens)
+    strip_fit = None
+    if len(strips):
+        strip_scores = score_strips(scorer, strips, progress)
+        if any(any(row) for row in strips.labels) and not all(all(row) for row in strips.labels):
+            strip_fit = fit_strip_threshold(strip_scores, strips.labels)
     return write_calibration(
         out,
         scorer,
@@ -343,4 +422,5 @@ def run_calibration(
         dataset=str(dataset),
         fitted_qids=sorted({b.question.qid for b in batches}),
         scorer_state=state,
+        strips=strip_fit,
     )

@@ -31,6 +31,12 @@ class CragSettings(BaseModel):
     )
     similarity_top_k: int = Field(default=5, ge=1, description="Candidates retrieved (and fallback results kept).")
     max_rewrites: int = Field(default=1, ge=0, description="Query rewrites allowed on the INCORRECT branch.")
+    strip_threshold: Optional[float] = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Knowledge strips scoring at least this are kept on AMBIGUOUS; None uses lower.",
+    )
     strip_min_tokens: int = Field(
         default=8, ge=1, description="Shortest knowledge strip, in words; shorter ones are merged."
     )
@@ -121,4 +127,4 @@ def read_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, 
 def load_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, Any]:
     """The thresholds of a calibration file (see ``read_calibration``)."""
     thresholds = read_calibration(path, scorer_name)["thresholds"]
-    return {k: thresholds[k] for k in ("upper", "lower", "aggregation") if k in thresholds}
+    return {k: thresholds[k] for k in ("upper", "lower", "aggregation", "strip_threshold") if k in thresholds}

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from llama_index_crag import CorrectiveQueryEngine
-from llama_index_crag.calibration import fit_thresholds
+from llama_index_crag.calibration import (
+    fit_strip_threshold,
+    fit_thresholds,
+    labelled_batches,
+    labelled_strips,
+    strip_outcome,
+)
 from llama_index_crag.cli import main
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents
 from llama_index_crag.scorers import EvidenceScorer, LLMJudgeScorer
@@ -33,6 +39,29 @@ def test_thresholds_meet_their_targets_on_the_rows_they_were_fitted_on() -> None
 def test_thresholds_need_both_classes() -> None:
     with pytest.raises(ValueError, match="both with and without"):
         fit_thresholds([0.1, 0.2], ["in-corpus", "in-corpus"])
+
+
+def test_the_strip_threshold_separates_evidence_strips_and_passes_a_passage_with_none_whole() -> None:
+    scores = [[0.9, 0.2, 0.3], [0.7, 0.1], [0.25, 0.6]]
+    labels = [[True, False, False], [True, False], [False, True]]
+    fitted = fit_strip_threshold(scores, labels)
+    assert 0.3 < fitted["strip_threshold"] <= 0.6
+    assert fitted["evidence_kept"] == 1.0 and fitted["other_dropped"] == 1.0
+    # Above every strip of a passage, the refiner keeps the passage whole: nothing is dropped there.
+    assert strip_outcome(scores, labels, 0.95) == {"evidence_kept": 1.0, "other_dropped": 0.0}
+    with pytest.raises(ValueError, match="both evidence and other strips"):
+        fit_strip_threshold([[0.5, 0.6]], [[True, True]])
+
+
+def test_strips_are_labelled_by_the_answer_they_hold() -> None:
+    batches = labelled_batches(SAMPLE_DIR, progress=False).batches
+    strips = labelled_strips(SAMPLE_DIR, batches, 8)
+    assert len(strips) > 10
+    for question, texts, labels in zip(strips.questions, strips.strips, strips.labels):
+        answers = next(b.question.answers for b in batches if b.question.question == question)
+        assert len(texts) > 1 and any(labels)
+        for text, label in zip(texts, labels):
+            assert label == any(a.lower() in text.lower() for a in answers), (question, text)
 
 
 def test_terms_keep_content_words_in_any_script() -> None:
@@ -95,6 +124,9 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
     assert data["thresholds"]["lower"] <= data["thresholds"]["upper"]
     assert set(data["samples"]) == {"in-corpus", "out-of-corpus", "unanswerable"}
     assert len(data["scorer_state"]["weights"]) == len(FEATURES) + 1
+    # The sample set has short answers: the strips holding one are the evidence the strip threshold is fitted on.
+    assert 0.0 < data["thresholds"]["strip_threshold"] < 1.0
+    assert data["strips"]["passages"] > 10 and data["strips"]["evidence_kept"] > 0.5
     assert (
         main(
             [
@@ -113,6 +145,9 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
     report = json.loads((tmp_path / "r" / "grade-report.json").read_text())
     rows = {r["scorer"]: r["rows"] for r in report["results"]}
     assert 0.5 < rows["evidence:all-MiniLM-L6-v2"]["out-of-corpus"]["auroc"] <= 1.0
+    strips = {r["scorer"]: r["strips"] for r in report["results"]}["evidence:all-MiniLM-L6-v2"]
+    assert strips["evidence_strips"] > 10 and strips["other_strips"] > strips["evidence_strips"]
+    assert 0.0 <= strips["evidence_kept"] <= 1.0 and 0.0 <= strips["at_lower"]["other_dropped"] <= 1.0
     assert (tmp_path / "r" / "grade-report.png").stat().st_size > 10_000
     assert "| evidence:all-MiniLM-L6-v2 | out-of-corpus |" in capsys.readouterr().out
     with pytest.raises(ValueError, match="calibrate on a split"):
@@ -147,3 +182,4 @@ def test_the_engine_loads_learned_weights_from_its_calibration_file(tmp_path: Pa
     data = json.loads(calibration.read_text())
     assert engine.grader.scorer.weights.tolist() == pytest.approx(data["scorer_state"]["weights"])  # type: ignore[attr-defined]
     assert engine.grader.upper == data["thresholds"]["upper"]
+    assert engine.refiner.threshold == data["thresholds"]["strip_threshold"]

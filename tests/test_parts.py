@@ -168,6 +168,12 @@ def test_settings_precedence_constructor_env_calibration(tmp_path: Path) -> None
     env = {"CRAG_LOWER": "0.25", "CRAG_MAX_REWRITES": "2", "CRAG_CALIBRATION": str(calibration)}
     s = CragSettings.resolve({"max_rewrites": 3}, scorer_name="s", environ=env)
     assert (s.upper, s.lower, s.max_rewrites) == (0.8, 0.25, 3)
+    assert s.strip_threshold is None  # the refiner then uses lower
+    thresholds = {"upper": 0.8, "lower": 0.2, "strip_threshold": 0.4}
+    calibration.write_text(json.dumps({"version": 1, "scorer": "s", "thresholds": thresholds}))
+    assert CragSettings.resolve(scorer_name="s", environ=env).strip_threshold == 0.4
+    env["CRAG_STRIP_THRESHOLD"] = "0.45"
+    assert CragSettings.resolve(scorer_name="s", environ=env).strip_threshold == 0.45
 
 
 def test_calibration_for_another_scorer_is_refused(tmp_path: Path) -> None:

@@ -2,91 +2,22 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence
+from typing import FrozenSet, Iterable, Iterator, List, Optional, Sequence
 
-import numpy as np
 from llama_index.core import VectorStoreIndex
 from llama_index.core.base.base_retriever import BaseRetriever
-from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
-from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import BaseNode, Document, NodeWithScore, QueryBundle
 
 from llama_index_crag.datasets import load_documents
-from llama_index_crag.evaluation.dataset import EvalQuestion, content_hash
+from llama_index_crag.embedding_cache import corpus_cache
+from llama_index_crag.evaluation.dataset import EvalQuestion
 from llama_index_crag.fallback import FallbackRetriever
-
-#: Passages embedded between two saves of the cache, so an interrupted build loses little.
-_SAVE_EVERY = 1024
-
-
-class DiskCachedEmbedding(BaseEmbedding):
-    """An embedding model whose passage vectors persist in one ``.npz`` file, keyed by a hash of the text.
-
-    The corpus (and the fallback's sentence windows) are embedded once per dataset
-    content; later runs load the vectors. Query embeddings are never cached: they are
-    part of the retrieval time the evaluation measures.
-    """
-
-    _inner: BaseEmbedding = PrivateAttr()
-    _path: Path = PrivateAttr()
-    _vectors: Dict[str, np.ndarray] = PrivateAttr()
-    _progress: bool = PrivateAttr()
-
-    def __init__(self, inner: BaseEmbedding, path: Path, progress: bool = False) -> None:
-        super().__init__(model_name=inner.model_name, embed_batch_size=inner.embed_batch_size)
-        self._inner = inner
-        self._path = path
-        self._progress = progress
-        self._vectors = {}
-        if path.exists():
-            with np.load(path) as stored:
-                self._vectors = dict(zip(stored["keys"].tolist(), stored["vectors"]))
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "DiskCachedEmbedding"
-
-    def _get_query_embedding(self, query: str) -> Embedding:
-        return self._inner.get_query_embedding(query)
-
-    async def _aget_query_embedding(self, query: str) -> Embedding:
-        return await self._inner.aget_query_embedding(query)
-
-    def _get_text_embedding(self, text: str) -> Embedding:
-        return self.get_text_embedding_batch([text])[0]
-
-    def get_text_embedding_batch(self, texts: List[str], show_progress: bool = False, **kwargs: Any) -> List[Embedding]:
-        """Vectors of ``texts``: from the cache, embedding (shortest first, saved as it goes) what is missing."""
-        keys = [_key(t) for t in texts]
-        missing = sorted(
-            {k: t for k, t in zip(keys, texts) if k not in self._vectors}.items(), key=lambda kv: len(kv[1])
-        )
-        for start in range(0, len(missing), _SAVE_EVERY):
-            part = missing[start : start + _SAVE_EVERY]
-            if start == 0 and len(missing) > _SAVE_EVERY:
-                print(f"Embedding {len(missing):,} passages (cached in {self._path} for later runs).")
-            vectors = self._inner.get_text_embedding_batch(
-                [t for _, t in part], show_progress=show_progress or (self._progress and len(missing) > 100)
-            )
-            self._vectors.update((k, np.asarray(v, dtype=np.float32)) for (k, _), v in zip(part, vectors))
-            self._save()
-        return [self._vectors[k].tolist() for k in keys]
-
-    def _save(self) -> None:
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self._path.with_name(self._path.name + ".partial.npz")
-        np.savez(partial, keys=np.array(list(self._vectors)), vectors=np.stack(list(self._vectors.values())))
-        partial.replace(self._path)
-
-
-def _key(text: str) -> str:
-    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
 
 
 class CorpusView:
@@ -160,11 +91,7 @@ class EvalCorpus:
         from llama_index_crag.models import default_embed_model
 
         inner = embed_model or default_embed_model()
-        corpus_file = Path(folder) / "corpus.jsonl"
-        model = f"{Path(inner.model_name).name}-{_key(inner.model_name)[:8]}"
-        cached = DiskCachedEmbedding(
-            inner, cache_dir / "eval" / f"{Path(folder).name}-{content_hash(corpus_file)}" / f"{model}.npz", progress
-        )
+        cached = corpus_cache(inner, Path(folder) / "corpus.jsonl", cache_dir, progress)
         nodes = chunk(load_documents(folder))
         index = VectorStoreIndex(nodes, embed_model=cached, show_progress=progress)
         per_doc = Counter(n.metadata.get("doc_id") for n in nodes)
