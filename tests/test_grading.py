@@ -64,6 +64,19 @@ def test_strips_are_labelled_by_the_answer_they_hold() -> None:
             assert label == any(a.lower() in text.lower() for a in answers), (question, text)
 
 
+def test_an_acronym_the_corpus_never_uses_is_found_where_its_expansion_is() -> None:
+    texts = [d.text for d in load_documents()]
+    scorer = EvidenceScorer(corpus=texts)
+    overview = next(t for t in texts if "chief executive officer" in t)
+    others = [t for t in texts if "chief executive officer" not in t][:4]
+    ceo = scorer.score_texts("Who is the CEO of Harbor Analytics?", [overview, *others])
+    assert ceo[0] > 0.8 and max(ceo[1:]) < 0.5
+    # An unseen word with no expansion in the corpus still counts against every passage.
+    assert scorer.score_texts("Who is the CFO of Harbor Analytics?", [overview])[0] < 0.5
+    # Only words the corpus never uses are read as acronyms.
+    assert not EvidenceScorer().features("the ceo", ["Chief executive officer."])[0][1]
+
+
 def test_terms_keep_content_words_in_any_script() -> None:
     assert terms("What was the churn of Harbor Pro in Q1?") == ["churn", "harbor", "pro", "q1"]
     assert terms("Quel est le budget?")[-1] == "budget"

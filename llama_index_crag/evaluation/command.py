@@ -31,7 +31,9 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="skip answer generation (fixed text): every figure but answer accuracy, fast over whole datasets",
     )
-    parser.add_argument("--scorer", default="bi-encoder", choices=sorted(SCORERS), help="CRAG's relevance scorer")
+    parser.add_argument(
+        "--scorer", default="evidence", choices=sorted(SCORERS), help="CRAG's relevance scorer (default: the engine's)"
+    )
     parser.add_argument("--calibration", default=None, help="calibration JSON with CRAG's thresholds")
     parser.add_argument("--top-k", type=int, default=5, help="chunks retrieved (plain, CRAG, LLM-judge)")
     parser.add_argument("--rerank-top-k", type=int, default=10, help="chunks retrieved before reranking")

@@ -45,7 +45,7 @@ class EvalConfig:
     systems: Sequence[str] = tuple(SYSTEMS)
     limit: Optional[int] = None
     generate: bool = True
-    scorer: str = "bi-encoder"
+    scorer: str = "evidence"
     calibration: Optional[Path] = None
     top_k: int = 5
     rerank_top_k: int = 10
@@ -69,7 +69,7 @@ class EvalConfig:
             parts += ["--limit", str(self.limit)]
         if not self.generate:
             parts.append("--no-generate")
-        if self.scorer != "bi-encoder":
+        if self.scorer != "evidence":
             parts += ["--scorer", self.scorer]
         if self.calibration:
             parts += ["--calibration", str(self.calibration)]

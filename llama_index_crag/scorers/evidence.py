@@ -131,6 +131,9 @@ class EvidenceScorer(RelevanceScorer):
         cosines = self.bi_encoder.score_texts(query, texts) if texts else []
         query_terms = set(terms(query))
         weight = {t: self._idf.get(t, self._unseen_idf) for t in query_terms}
+        # A query word the corpus never uses may be the acronym of words it does use ("CEO" where the
+        # documents say "chief executive officer"): such a word also counts as found where its expansion is.
+        expandable = {t for t in query_terms if self._idf and t not in self._idf and 2 <= len(t) <= 5 and t.isalpha()}
         total = sum(weight.values()) or 1.0
         rare = {t for t, w in weight.items() if w >= self._rare_idf}
         q_tokens = terms(query)
@@ -139,14 +142,17 @@ class EvidenceScorer(RelevanceScorer):
         rows = []
         for text, cosine in zip(texts, cosines):
             view = _passage(text)
-            coverage = sum(w for t, w in weight.items() if t in view.words) / total
+            words = view.words | (expandable & view.acronyms) if expandable else view.words
+            coverage = sum(w for t, w in weight.items() if t in words) / total
             best_sentence, best = text, -1.0
-            for sentence, sentence_words in view.sentences:
+            for sentence, sentence_words, sentence_acronyms in view.sentences:
+                if expandable:
+                    sentence_words = sentence_words | (expandable & sentence_acronyms)
                 found = sum(w for t, w in weight.items() if t in sentence_words) / total
                 if found > best:
                     best_sentence, best = sentence, found
             bigrams = len(q_bigrams & view.bigrams) / len(q_bigrams) if q_bigrams else 0.0
-            rare_cov = len(rare & view.words) / len(rare) if rare else coverage
+            rare_cov = len(rare & words) / len(rare) if rare else coverage
             if expected is None:
                 answer_type = 0.5
             else:
@@ -189,7 +195,8 @@ class _Passage:
 
     words: FrozenSet[str]
     bigrams: FrozenSet[Tuple[str, str]]
-    sentences: Tuple[Tuple[str, FrozenSet[str]], ...]
+    sentences: Tuple[Tuple[str, FrozenSet[str], FrozenSet[str]], ...]
+    acronyms: FrozenSet[str]
 
 
 @lru_cache(maxsize=50_000)
@@ -199,8 +206,15 @@ def _passage(text: str) -> _Passage:
     return _Passage(
         words=frozenset(tokens),
         bigrams=frozenset(zip(tokens, tokens[1:])),
-        sentences=tuple((s, frozenset(terms(s))) for s in split),
+        sentences=tuple((s, frozenset(words), _acronyms(words)) for s, words in ((s, terms(s)) for s in split)),
+        acronyms=_acronyms(tokens),
     )
+
+
+def _acronyms(tokens: Sequence[str]) -> FrozenSet[str]:
+    """The initials of every run of 2 to 5 consecutive content words ("chief executive officer" gives "ceo")."""
+    initials = "".join(t[0] for t in tokens)
+    return frozenset(initials[i : i + n] for n in range(2, 6) for i in range(len(initials) - n + 1))
 
 
 def _has_new(pattern: re.Pattern[str], sentence: str, query: str) -> bool:
