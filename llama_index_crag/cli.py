@@ -92,6 +92,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         _targets(args),
         args.progress,
         args.strip_min_tokens,
+        args.synthetic,
     )
     t, a = data["thresholds"], data["achieved"]
     print(f"Scorer {data['scorer']}: upper={t['upper']:.4f} lower={t['lower']:.4f}")
@@ -173,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataset_options(calibrate)
     calibrate.add_argument("--scorer", default="evidence", help="evidence, bi-encoder, llm-judge, cross-encoder:MODEL")
     calibrate.add_argument("--split", default=None, help="fit only on questions of this split (e.g. train)")
+    calibrate.add_argument(
+        "--synthetic",
+        type=int,
+        default=None,
+        metavar="N",
+        help="no labels needed: make N questions from the corpus's own sentences (named dates, people, numbers...) "
+        "and fit on them; questions.jsonl is not read",
+    )
     calibrate.add_argument("--out", default="calibration.json", help="where to write the calibration file")
     calibrate.set_defaults(run=_calibrate)
 

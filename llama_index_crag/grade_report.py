@@ -385,13 +385,21 @@ def run_calibration(
     targets: Mapping[str, float],
     progress: bool = True,
     min_tokens: int = 8,
+    synthetic: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Fit thresholds (and the evidence scorer's weights) on ``dataset`` and write the calibration file.
 
     When the set labels evidence sentences or short answers, the knowledge-strip
     threshold is fitted too, on the strips of the same questions' gold passages.
+    With ``synthetic``, that many questions are made from the corpus alone (see
+    ``synthetic.py``) and the dataset's own questions are not read.
     """
-    labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress)
+    if synthetic is not None:
+        from llama_index_crag.synthetic import synthetic_batches
+
+        labelled = synthetic_batches(dataset, count=synthetic, k=k, progress=progress)
+    else:
+        labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress)
     batches = labelled.batches
     if split is not None:
         batches = [b for b in batches if b.question.split == split]
@@ -419,7 +427,7 @@ def run_calibration(
         thresholds,
         targets,
         counts,
-        dataset=str(dataset),
+        dataset=str(dataset) + (f" (corpus only: {synthetic} synthetic questions)" if synthetic is not None else ""),
         fitted_qids=sorted({b.question.qid for b in batches}),
         scorer_state=state,
         strips=strip_fit,

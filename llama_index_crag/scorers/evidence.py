@@ -91,8 +91,9 @@ class EvidenceScorer(RelevanceScorer):
     #: Fitted by ``llama-crag calibrate --dataset squad2`` (all 266 questions); calibrate on your data.
     DEFAULT_WEIGHTS = (5.785009, 3.179856, 3.635872, 1.38202, -0.760154, 0.561584, -6.78364)
     #: Read off these weights' scores on the bundled sample corpus (out-of-corpus batches mostly
-    #: below 0.35, most answerable ones above 0.8); calibrate on your own data.
-    DEFAULT_THRESHOLDS = {"upper": 0.8, "lower": 0.35}
+    #: below 0.35, most answerable ones above 0.8); the strip threshold was fitted on SQuAD 2.0's
+    #: answer-bearing strips (``llama-crag calibrate``). Calibrate on your own data.
+    DEFAULT_THRESHOLDS = {"upper": 0.8, "lower": 0.35, "strip_threshold": 0.39}
 
     def __init__(
         self,
