@@ -283,6 +283,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             upper=self._grader.upper,
             lower=self._grader.lower,
             aggregation=self._grader.aggregation,
+            strip_threshold=self._refiner.threshold,
         )
         with trace.timed("retrieve"):
             nodes = yield _Io(

@@ -78,6 +78,7 @@ class CragTrace:
     upper: float
     lower: float
     aggregation: str
+    strip_threshold: Optional[float] = None
     action: str = "disabled"
     nodes: List[NodeGrade] = field(default_factory=list)
     aggregate_score: Optional[float] = None
@@ -118,7 +119,12 @@ class CragTrace:
         """The trace as plain JSON-ready data, with ``crag_ms`` among the timings."""
         data = asdict(self)
         data["timings_ms"] = {**self.timings_ms, "crag_ms": self.crag_ms}
-        data["thresholds"] = {"upper": self.upper, "lower": self.lower, "aggregation": self.aggregation}
+        data["thresholds"] = {
+            "upper": self.upper,
+            "lower": self.lower,
+            "aggregation": self.aggregation,
+            "strip_threshold": self.strip_threshold,
+        }
         return data
 
     def publish(self) -> CragActionEvent:

@@ -50,6 +50,7 @@ def test_answerable_question_is_answered_with_a_full_trace(engine: CorrectiveQue
     assert "harbor-001" in [n.node.metadata["doc_id"] for n in response.source_nodes]
     assert trace["scorer"] == "evidence:all-MiniLM-L6-v2"
     assert trace["thresholds"] == {**EvidenceScorer.DEFAULT_THRESHOLDS, "aggregation": "max"}
+    assert trace["strip_threshold"] == EvidenceScorer.DEFAULT_THRESHOLDS["strip_threshold"]
     assert all(n["label"] in ("correct", "ambiguous", "incorrect") for n in trace["nodes"])
     assert {"retrieve", "grade", "generate", "crag_ms"} <= set(trace["timings_ms"])
     assert trace["timings_ms"]["crag_ms"] >= trace["timings_ms"]["grade"] > 0
