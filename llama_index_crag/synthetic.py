@@ -32,7 +32,7 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
-from llama_index_crag.calibration import IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE, Batch, LabelledSet
+from llama_index_crag.calibration import IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE, Batch, LabelledSet, _batch
 from llama_index_crag.datasets import Question, load_documents
 from llama_index_crag.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 
@@ -202,7 +202,7 @@ def synthetic_batches(
         top = [int(i) for i in order[:k]]
         without = [int(i) for i in order[: k + 1] if int(i) != source][:k]
         if source in top:
-            batches.append(_batch(item.question, IN_CORPUS, top, ids, texts, {source}))
+            batches.append(_batch(item.question, IN_CORPUS, top, ids, texts, {ids[source]}))
         batches.append(_batch(item.question, OUT_OF_CORPUS, without, ids, texts, set()))
         title = documents[source].metadata.get("title")
         redacted = f"title: {title}\n\n{item.redacted}" if title else item.redacted
@@ -212,16 +212,6 @@ def synthetic_batches(
         hard.gold.insert(0, False)
         batches.append(hard)
     return LabelledSet(batches, texts, matrix, [m.question.question for m in made], queries)
-
-
-def _batch(question: Question, kind: str, rows: Sequence[int], ids: List[str], texts: List[str], gold: set) -> Batch:
-    return Batch(
-        question=question,
-        kind=kind,
-        doc_ids=[ids[i] for i in rows],
-        texts=[texts[i] for i in rows],
-        gold=[i in gold for i in rows],
-    )
 
 
 def describe(batches: Sequence[Batch]) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
@@ -143,3 +145,21 @@ def embed_model() -> Any:
 @pytest.fixture(scope="session")
 def sample_index(embed_model: Any) -> VectorStoreIndex:
     return VectorStoreIndex.from_documents(load_documents(), embed_model=embed_model)
+
+
+def assert_engine_loads_calibration(path: Path) -> None:
+    """An engine over the sample corpus built with ``path`` uses its weights and thresholds."""
+    from llama_index_crag.scorers import EvidenceScorer
+
+    nodes = load_documents()
+    engine = CorrectiveQueryEngine.from_defaults(
+        nodes=nodes,
+        llm=ScriptedLLM(),
+        scorer=EvidenceScorer(corpus=[n.text for n in nodes]),
+        calibration_path=str(path),
+        fallback_sources=("bm25",),
+    )
+    data = json.loads(path.read_text())
+    assert engine.grader.scorer.weights.tolist() == pytest.approx(data["scorer_state"]["weights"])  # type: ignore[attr-defined]
+    assert (engine.grader.upper, engine.grader.lower) == (data["thresholds"]["upper"], data["thresholds"]["lower"])
+    assert engine.refiner.threshold == data["thresholds"]["strip_threshold"]

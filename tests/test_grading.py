@@ -9,7 +9,6 @@ from typing import Any, List
 import numpy as np
 import pytest
 
-from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.calibration import (
     fit_strip_threshold,
     fit_thresholds,
@@ -22,7 +21,7 @@ from llama_index_crag.datasets import SAMPLE_DIR, load_documents
 from llama_index_crag.scorers import EvidenceScorer, LLMJudgeScorer
 from llama_index_crag.scorers.evidence import FEATURES, terms
 
-from .conftest import ALPHA, BETA, GAMMA, ScriptedLLM
+from .conftest import ALPHA, BETA, GAMMA, ScriptedLLM, assert_engine_loads_calibration
 
 
 def test_thresholds_meet_their_targets_on_the_rows_they_were_fitted_on() -> None:
@@ -184,15 +183,4 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
 def test_the_engine_loads_learned_weights_from_its_calibration_file(tmp_path: Path) -> None:
     calibration = tmp_path / "calibration.json"
     main(["calibrate", "--dataset", str(SAMPLE_DIR), "--out", str(calibration), "--no-progress"])
-    nodes = load_documents()
-    engine = CorrectiveQueryEngine.from_defaults(
-        nodes=nodes,
-        llm=ScriptedLLM(),
-        scorer=EvidenceScorer(corpus=[n.text for n in nodes]),
-        calibration_path=str(calibration),
-        fallback_sources=("bm25",),
-    )
-    data = json.loads(calibration.read_text())
-    assert engine.grader.scorer.weights.tolist() == pytest.approx(data["scorer_state"]["weights"])  # type: ignore[attr-defined]
-    assert engine.grader.upper == data["thresholds"]["upper"]
-    assert engine.refiner.threshold == data["thresholds"]["strip_threshold"]
+    assert_engine_loads_calibration(calibration)

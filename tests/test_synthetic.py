@@ -8,14 +8,12 @@ from typing import Any
 
 import pytest
 
-from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.calibration import IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE
 from llama_index_crag.cli import main
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents
-from llama_index_crag.scorers import EvidenceScorer
 from llama_index_crag.synthetic import WH_WORDS, load_spacy, synthetic_batches, synthetic_questions
 
-from .conftest import ScriptedLLM
+from .conftest import assert_engine_loads_calibration
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +71,7 @@ def test_calibrate_on_the_corpus_alone_writes_a_file_the_engine_loads(tmp_path: 
     assert 0.0 <= data["thresholds"]["lower"] <= data["thresholds"]["upper"] <= 1.0
     assert "strip_threshold" in data["thresholds"]
     assert "Knowledge strips" in capsys.readouterr().out
-    nodes = load_documents()
-    engine = CorrectiveQueryEngine.from_defaults(
-        nodes=nodes,
-        llm=ScriptedLLM(),
-        scorer=EvidenceScorer(corpus=[n.text for n in nodes]),
-        calibration_path=str(out),
-        fallback_sources=("bm25",),
-    )
-    assert engine.grader.scorer.weights.tolist() == pytest.approx(data["scorer_state"]["weights"])  # type: ignore[attr-defined]
+    assert_engine_loads_calibration(out)
     # Every real question of the set is held out from a synthetic calibration: the report scores them all.
     report_dir = tmp_path / "report"
     args = ["grade-report", "--dataset", str(SAMPLE_DIR), "--scorers", "evidence", "--calibration", str(out)]
