@@ -128,6 +128,18 @@ def test_llm_judge_reads_verdicts_from_prose_when_json_fails() -> None:
     assert LLMJudgeScorer(Chatty()).score_texts("q", ["a", "b"]) == [1.0, 0.0]
 
 
+def test_llm_judge_on_a_local_model_file_is_named_by_the_file_not_the_machine_path() -> None:
+    from llama_index.core.base.llms.types import LLMMetadata
+
+    class Local(ScriptedLLM):
+        @property
+        def metadata(self) -> LLMMetadata:
+            return LLMMetadata(model_name="/opt/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+    assert LLMJudgeScorer(Local()).name == "llm-judge:SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert LLMJudgeScorer(ScriptedLLM()).name == "llm-judge:scripted"
+
+
 def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) -> None:
     calibration = tmp_path / "calibration.json"
     assert main(["calibrate", "--dataset", str(SAMPLE_DIR), "--out", str(calibration), "--no-progress"]) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import List, Sequence
 
 from llama_index.core.bridge.pydantic import BaseModel, Field
@@ -46,7 +47,9 @@ class LLMJudgeScorer(RelevanceScorer):
     def __init__(self, llm: LLM, max_chars: int = 600) -> None:
         self.llm = llm
         self.max_chars = max_chars
-        self.name = f"llm-judge:{getattr(llm, 'model', None) or llm.metadata.model_name}"
+        model = str(getattr(llm, "model", None) or llm.metadata.model_name)
+        # A local model file is named by its file name: the same model on another machine is the same scorer.
+        self.name = f"llm-judge:{Path(model).name if Path(model).suffix == '.gguf' else model}"
 
     def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
         if not texts:
