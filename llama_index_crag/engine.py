@@ -35,6 +35,7 @@ from llama_index_crag.models import describe_llm
 from llama_index_crag.refiner import StripRefiner
 from llama_index_crag.rewrite import QueryRewriter, RewriteError
 from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
 from llama_index_crag.settings import CragSettings, read_calibration
 from llama_index_crag.trace import CragTrace, NodeGrade
 
@@ -289,6 +290,8 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             nodes = yield _Io(
                 lambda: self._retriever.retrieve(query_bundle), lambda: self._retriever.aretrieve(query_bundle)
             )
+        if s.enabled:
+            reuse_retrieval_embeddings(self._grader.scorer, self._retriever, query_bundle, nodes)
         with trace.timed("rerank"):
             nodes = yield from self._postprocess(nodes, query_bundle, None)
 

@@ -174,3 +174,34 @@ def test_engine_is_a_query_engine_tool(engine: CorrectiveQueryEngine) -> None:
     output = tool.call(input="Who is the chief executive officer of Harbor Analytics?")
     assert "ANSWER" in str(output.content)
     assert output.raw_output.metadata["crag"]["action"] in ("correct", "ambiguous")
+
+
+def test_grading_reuses_the_embeddings_the_index_already_holds(monkeypatch: Any) -> None:
+    from llama_index_crag.datasets import load_documents
+    from llama_index_crag.models import default_embed_model
+
+    embed = default_embed_model()
+    index = VectorStoreIndex(load_documents(), embed_model=embed)
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=index, llm=ScriptedLLM(), embed_model=embed, fallback_sources=("bm25",)
+    )
+    passages: List[int] = []
+    queries: List[str] = []
+    embed_type = type(embed)
+    batch, query = embed_type.get_text_embedding_batch, embed_type.get_query_embedding
+
+    def counting_batch(self: Any, texts: List[str], **kwargs: Any) -> Any:
+        passages.append(len(texts))
+        return batch(self, texts, **kwargs)
+
+    def counting_query(self: Any, text: str) -> Any:
+        queries.append(text)
+        return query(self, text)
+
+    monkeypatch.setattr(embed_type, "get_text_embedding_batch", counting_batch)
+    monkeypatch.setattr(embed_type, "get_query_embedding", counting_query)
+    response = engine.query("Who is the chief executive officer of Harbor Analytics?")
+    trace = response.metadata["crag"]
+    assert trace["action"] == "correct" and len(trace["nodes"]) == 5
+    # The retriever embedded the question once; grading embedded neither it nor any candidate again.
+    assert passages == [] and len(queries) == 1

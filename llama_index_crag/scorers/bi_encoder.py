@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.scorers.base import RelevanceScorer, node_text
 
 BUNDLED_MODEL_NAME = "all-MiniLM-L6-v2"
 
@@ -98,3 +99,42 @@ def _unit(vector: Sequence[float]) -> np.ndarray:
     array = np.asarray(vector, dtype=np.float32)
     norm = float(np.linalg.norm(array))
     return array / norm if norm > 0 else array
+
+
+def reuse_retrieval_embeddings(
+    scorer: RelevanceScorer, retriever: Any, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]
+) -> int:
+    """Hand a bi-encoder-based scorer the embeddings a dense retriever already has, so grading embeds nothing again.
+
+    Only when the retriever embedded with a model of the same name as the scorer's:
+    the query's embedding (set on ``query_bundle`` by ``VectorIndexRetriever``), and
+    each candidate's, from ``node.embedding`` or the vector store's ``get`` (an
+    in-memory ``SimpleVectorStore``). The vectors are keyed by the text the index
+    embedded, so a postprocessor that rewrites a node later gets no stale vector.
+    Returns how many passage embeddings were reused.
+    """
+    bi_encoder = scorer if isinstance(scorer, BiEncoderScorer) else getattr(scorer, "bi_encoder", None)
+    embed_model = getattr(retriever, "_embed_model", None)
+    if not isinstance(bi_encoder, BiEncoderScorer) or not isinstance(embed_model, BaseEmbedding):
+        return 0
+    if embed_model.model_name != bi_encoder.embed_model.model_name:
+        return 0
+    if query_bundle.embedding is not None and query_bundle.embedding_strs == [query_bundle.query_str]:
+        bi_encoder.remember_queries([query_bundle.query_str], [query_bundle.embedding])
+    store = getattr(retriever, "_vector_store", None)
+    lookup = getattr(store, "get", None) if getattr(store, "stores_text", True) is False else None
+    texts: List[str] = []
+    vectors: List[List[float]] = []
+    for candidate in nodes:
+        vector = candidate.node.embedding
+        if vector is None and lookup is not None:
+            try:
+                vector = lookup(candidate.node.node_id)
+            except (KeyError, TypeError, ValueError):
+                vector = None
+        if vector:
+            texts.append(node_text(candidate))
+            vectors.append(list(vector))
+    if texts:
+        bi_encoder.remember(texts, vectors)
+    return len(texts)
