@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -267,7 +267,7 @@ def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: in
         if batch.kind != IN_CORPUS:
             continue
         question = batch.question
-        answers = [_normalise(a) for a in question.answers if _normalise(a)]
+        answers = [a for a in (_normalise(answer) for answer in question.answers) if a]
         for doc_id in dict.fromkeys(d for d, g in zip(batch.doc_ids, batch.gold) if g):
             row = rows.get(doc_id)
             if row is None:
@@ -275,11 +275,12 @@ def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: in
             sentences = row.get("sentences") if doc_id in question.evidence else None
             text = " ".join(sentences) if sentences else str(row["text"])
             strips = [s.text for s in decompose(text, min_tokens)]
+            normalised = [_normalise(s) for s in strips]
             if sentences:
                 wanted = [_normalise(sentences[i]) for i in question.evidence[doc_id] if i < len(sentences)]
-                labels = [any(w and (w in _normalise(s) or _normalise(s) in w) for w in wanted) for s in strips]
+                labels = [any(w and (w in s or s in w) for w in wanted) for s in normalised]
             elif answers:
-                labels = [any(a in _normalise(s) for a in answers) for s in strips]
+                labels = [any(a in s for a in answers) for s in normalised]
             else:
                 continue
             if len(strips) > 1 and any(labels):
@@ -319,11 +320,11 @@ def fit_strip_threshold(scores: Sequence[Sequence[float]], labels: Sequence[Sequ
     return {"strip_threshold": round(best, 6), **strip_outcome(scores, labels, best), "passages": len(scores)}
 
 
-def strip_outcome(
+def strip_counts(
     scores: Sequence[Sequence[float]], labels: Sequence[Sequence[bool]], threshold: float
-) -> Dict[str, float]:
-    """Evidence strips kept and other strips dropped at ``threshold``, as ``StripRefiner`` applies it
-    (a passage where no strip clears the threshold is passed on whole)."""
+) -> Tuple[int, int, int, int]:
+    """Evidence strips kept, evidence strips, other strips dropped, other strips, at ``threshold`` as
+    ``StripRefiner`` applies it (a passage where no strip clears the threshold is passed on whole)."""
     kept_evidence = total_evidence = dropped_other = total_other = 0
     for row_scores, row_labels in zip(scores, labels):
         kept = [s >= threshold for s in row_scores]
@@ -336,6 +337,14 @@ def strip_outcome(
             else:
                 total_other += 1
                 dropped_other += not keep
+    return kept_evidence, total_evidence, dropped_other, total_other
+
+
+def strip_outcome(
+    scores: Sequence[Sequence[float]], labels: Sequence[Sequence[bool]], threshold: float
+) -> Dict[str, float]:
+    """Shares of evidence strips kept and of other strips dropped at ``threshold`` (see ``strip_counts``)."""
+    kept_evidence, total_evidence, dropped_other, total_other = strip_counts(scores, labels, threshold)
     return {
         "evidence_kept": kept_evidence / total_evidence if total_evidence else 0.0,
         "other_dropped": dropped_other / total_other if total_other else 0.0,

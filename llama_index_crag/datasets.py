@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,3 +71,11 @@ def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
         )
         for row in _lines(Path(folder) / "questions.jsonl")
     ]
+
+
+def content_hash(*paths: Path) -> str:
+    """A short hash of files' content, so caches and resumed runs follow the data, not its location."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]

@@ -11,6 +11,8 @@ import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import PrivateAttr
 
+from llama_index_crag.datasets import content_hash
+
 #: Where commands keep what they compute once per dataset (relative to the working directory by default).
 DEFAULT_CACHE_DIR = Path(".crag-cache")
 
@@ -91,8 +93,7 @@ def corpus_cache(
     every command that embeds the same corpus with the same model reads the same vectors.
     """
     model = f"{Path(inner.model_name).name}-{_key(inner.model_name)[:8]}"
-    digest = hashlib.sha256(Path(corpus_file).read_bytes()).hexdigest()[:12]
-    folder = f"{Path(corpus_file).parent.name}-{digest}"
+    folder = f"{Path(corpus_file).parent.name}-{content_hash(Path(corpus_file))}"
     return DiskCachedEmbedding(inner, Path(cache_dir) / "embeddings" / folder / f"{model}.npz", progress)
 
 

@@ -21,7 +21,7 @@ from llama_index_crag.calibration import (
     labelled_strips,
     score_batches,
     score_strips,
-    strip_outcome,
+    strip_counts,
     write_calibration,
 )
 from llama_index_crag.grader import Verdict, band
@@ -180,32 +180,26 @@ class _StripCV:
         threshold = fit_strip_threshold(train_scores, train_labels)["strip_threshold"]
         self.thresholds.append(threshold)
         for key, value in (("fitted", threshold), ("lower", lower)):
-            self.counts[key] += _strip_counts(test_scores, test_labels, value)
+            self.counts[key] += np.asarray(strip_counts(test_scores, test_labels, value))
 
     def result(self) -> Dict[str, Any]:
-        def shares(c: np.ndarray) -> Dict[str, Optional[float]]:
-            return {
-                "evidence_kept": float(c[0] / c[1]) if c[1] else None,
-                "other_dropped": float(c[2] / c[3]) if c[3] else None,
-            }
-
         fitted = self.counts["fitted"]
         return {
             "passages": len(self.strips),
             "evidence_strips": int(fitted[1]),
             "other_strips": int(fitted[3]),
             "strip_threshold_mean": float(np.mean(self.thresholds)) if self.thresholds else None,
-            **shares(fitted),
-            "at_lower": shares(self.counts["lower"]),
+            **_shares(fitted),
+            "at_lower": _shares(self.counts["lower"]),
         }
 
 
-def _strip_counts(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[bool]], threshold: float) -> np.ndarray:
-    """Evidence kept, evidence total, others dropped, others total."""
-    shares = strip_outcome(scores, labels, threshold)
-    evidence = sum(sum(row) for row in labels)
-    others = sum(len(row) - sum(row) for row in labels)
-    return np.asarray([shares["evidence_kept"] * evidence, evidence, shares["other_dropped"] * others, others])
+def _shares(counts: np.ndarray) -> Dict[str, Optional[float]]:
+    """Evidence kept and others dropped, from ``strip_counts`` (summed over folds)."""
+    return {
+        "evidence_kept": float(counts[0] / counts[1]) if counts[1] else None,
+        "other_dropped": float(counts[2] / counts[3]) if counts[3] else None,
+    }
 
 
 def with_calibration(
@@ -230,14 +224,13 @@ def with_calibration(
         test = strips.subset({b.question.qid for b in held_out})
         if len(test):
             strip_threshold = thresholds.get("strip_threshold", thresholds["lower"])
-            scores = score_strips(scorer, test, progress)
-            counts = _strip_counts(scores, test.labels, strip_threshold)
+            counts = np.asarray(strip_counts(score_strips(scorer, test, progress), test.labels, strip_threshold))
             strip_figures = {
                 "passages": len(test),
                 "evidence_strips": int(counts[1]),
                 "other_strips": int(counts[3]),
                 "strip_threshold_mean": float(strip_threshold),
-                **strip_outcome(scores, test.labels, strip_threshold),
+                **_shares(counts),
             }
     return Outcome(
         scorer.name,

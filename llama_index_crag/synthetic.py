@@ -25,7 +25,7 @@ import importlib.util
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -212,10 +212,3 @@ def synthetic_batches(
         hard.gold.insert(0, False)
         batches.append(hard)
     return LabelledSet(batches, texts, matrix, [m.question.question for m in made], queries)
-
-
-def describe(batches: Sequence[Batch]) -> str:
-    """One line: how many batches of each kind."""
-    counts = {kind: sum(1 for b in batches if b.kind == kind) for kind in (IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE)}
-    return ", ".join(f"{n} {kind}" for kind, n in counts.items())
-

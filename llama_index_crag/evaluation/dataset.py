@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 import string
 from dataclasses import dataclass
@@ -69,11 +68,3 @@ def _evidence_sentences(folder: Path) -> Dict[str, Tuple[str, ...]]:
         if picked:
             found[str(row["qid"])] = tuple(picked)
     return found
-
-
-def content_hash(*paths: Path) -> str:
-    """A short hash of files' content, so caches and resumed runs follow the data, not its location."""
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]

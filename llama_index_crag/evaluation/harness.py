@@ -16,9 +16,10 @@ from llama_index.core.response_synthesizers import ResponseMode, get_response_sy
 from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
+from llama_index_crag.datasets import content_hash
 from llama_index_crag.engine import CorrectiveQueryEngine
 from llama_index_crag.evaluation.corpus import EvalCorpus
-from llama_index_crag.evaluation.dataset import EvalQuestion, content_hash, load_eval_questions
+from llama_index_crag.evaluation.dataset import EvalQuestion, load_eval_questions
 from llama_index_crag.evaluation.generator import MeteredLLM, TokenCounter, generator_token_counter
 from llama_index_crag.evaluation.metrics import (
     ANSWERABLE,
