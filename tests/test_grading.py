@@ -93,10 +93,34 @@ def test_evidence_features_see_coverage_and_answer_type() -> None:
     assert scores[0] > scores[1]
 
 
+def test_a_passage_that_stands_out_from_the_other_candidates_scores_higher() -> None:
+    scorer = EvidenceScorer(corpus=[ALPHA.text, BETA.text, GAMMA.text])
+    question = "When did the gamma office open?"
+    rows = scorer.features(question, [GAMMA.text, BETA.text, ALPHA.text])
+    lifts = [FEATURES.index(f) for f in ("cosine_lift", "coverage_lift", "sentence_coverage_lift")]
+    # Each lead is over the mean of the other candidates: the answer's passage leads, the others trail.
+    coverage = rows[:, FEATURES.index("coverage")]
+    assert rows[0, FEATURES.index("coverage_lift")] == pytest.approx(coverage[0] - coverage[1:].mean())
+    assert (rows[0, lifts] > 0).all() and (rows[1:, lifts] < 0).all()
+    # Alone, a passage has no lead; among unrelated candidates it scores higher than alone.
+    assert not scorer.features(question, [GAMMA.text])[0, lifts].any()
+    alone = scorer.score_texts(question, [GAMMA.text])[0]
+    among = scorer.score_texts(question, [GAMMA.text, BETA.text, ALPHA.text])
+    assert among[0] > alone and among[0] > max(among[1:])
+    # A duplicate of the relevant passage does not cancel its twin: both still lead the rest.
+    twins = scorer.score_texts(question, [GAMMA.text, GAMMA.text, BETA.text, ALPHA.text])
+    assert twins[0] == twins[1] > max(twins[2:]) and twins[0] >= scorer.DEFAULT_THRESHOLDS["upper"]
+
+
 def test_evidence_scorer_learns_weights_and_round_trips_them() -> None:
     scorer = EvidenceScorer()
     x = np.array(
-        [[0.9, 1, 1, 1, 1, 1], [0.8, 0.9, 0.9, 1, 0.5, 1], [0.2, 0.1, 0.1, 0, 0, 0], [0.3, 0.2, 0.1, 0, 0, 0.5]]
+        [
+            [0.9, 1, 1, 1, 1, 1, 0.6, 0.8, 0.8],
+            [0.8, 0.9, 0.9, 1, 0.5, 1, 0.5, 0.7, 0.7],
+            [0.2, 0.1, 0.1, 0, 0, 0, -0.4, -0.6, -0.6],
+            [0.3, 0.2, 0.1, 0, 0, 0.5, -0.3, -0.5, -0.6],
+        ]
     )
     state = scorer.fit(x, [True, True, False, False]).state()
     other = EvidenceScorer().load_state(state)
