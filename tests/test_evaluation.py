@@ -164,6 +164,28 @@ def test_out_of_corpus_view_hides_the_gold_documents_from_every_retriever(datase
     assert "alpha" in doc_ids(corpus.retriever(3)), "the view is restored after the block"
 
 
+def test_grading_through_the_view_reuses_the_index_embeddings(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llama_index_crag.scorers.bi_encoder import BiEncoderScorer, reuse_retrieval_embeddings
+
+    corpus = EvalCorpus.build(dataset, load_eval_questions(dataset), tmp_path, top_k=3)
+    retriever = corpus.retriever(3)
+    question = QueryBundle("What is the alpha project budget?")
+    hits = retriever.retrieve(question)
+    scorer = BiEncoderScorer()
+    assert reuse_retrieval_embeddings(scorer, retriever, question, hits) == len(hits) == 3
+    calls: List[int] = []
+    embed_type = type(scorer.embed_model)
+    batch, query = embed_type.get_text_embedding_batch, embed_type.get_query_embedding
+    monkeypatch.setattr(
+        embed_type, "get_text_embedding_batch", lambda self, t, **kw: calls.append(len(t)) or batch(self, t, **kw)
+    )
+    monkeypatch.setattr(embed_type, "get_query_embedding", lambda self, t: calls.append(1) or query(self, t))
+    scorer.score_texts(question.query_str, [h.node.get_content() for h in hits])
+    assert calls == [], "the query and the candidates were embedded by retrieval already"
+
+
 class CountingEmbedding(MockEmbedding):
     """Constant vectors; counts the passages it is asked to embed."""
 
@@ -282,3 +304,20 @@ def test_a_row_left_half_written_by_a_killed_run_is_asked_again(dataset: Path, t
     second = run_evaluation(config, again, count_tokens=words)
     assert again.calls["answer"] == 2, "the warm-up query, then the one row that was lost"
     assert [(r["kind"], r["qid"]) for r in second["rows"]] == [(r["kind"], r["qid"]) for r in first["rows"]]
+
+
+def test_rows_graded_with_other_shipped_weights_are_not_reused(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llama_index_crag.scorers.evidence import EvidenceScorer
+
+    config = EvalConfig(dataset=dataset, out=tmp_path / "out", systems=["crag"], cache_dir=tmp_path, progress=False)
+    run_evaluation(config, JudgingLLM(), count_tokens=words)
+    same = JudgingLLM()
+    run_evaluation(config, same, count_tokens=words)
+    assert same.calls["answer"] == 0
+    # A library upgrade that refits the default grader makes the saved CRAG rows stale.
+    monkeypatch.setattr(EvidenceScorer, "DEFAULT_THRESHOLDS", {**EvidenceScorer.DEFAULT_THRESHOLDS, "lower": 0.5})
+    upgraded = JudgingLLM()
+    run_evaluation(config, upgraded, count_tokens=words)
+    assert upgraded.calls["answer"] > 0

@@ -49,6 +49,10 @@ class ViewRetriever(BaseRetriever):
         self._inner = inner
         self._view = view
         self._keep = keep
+        # What ``reuse_retrieval_embeddings`` reads, so grading through the view reuses the index's
+        # embeddings as it would on the bare retriever.
+        self._embed_model = getattr(inner, "_embed_model", None)
+        self._vector_store = getattr(inner, "_vector_store", None)
         super().__init__()
 
     def _visible(self, hits: List[NodeWithScore]) -> List[NodeWithScore]:

@@ -89,6 +89,7 @@ class EvalConfig:
             "generate": self.generate,
             "generator": self.llm_name,
             "scorer": self.scorer,
+            "scorer_defaults": _scorer_defaults(self.scorer),
             "calibration": content_hash(self.calibration) if self.calibration else None,
             "top_k": self.top_k,
             "rerank": [self.rerank_top_k, self.rerank_top_n],
@@ -96,6 +97,20 @@ class EvalConfig:
 
 
 Key = Tuple[str, str, str]
+
+
+def _scorer_defaults(scorer: str) -> Dict[str, Any]:
+    """The shipped weights and thresholds CRAG grades with: rows graded with other defaults are not reused."""
+    from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
+    from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer
+
+    if scorer == "evidence":
+        return {
+            "features": list(FEATURES),
+            "weights": list(EvidenceScorer.DEFAULT_WEIGHTS),
+            "thresholds": dict(EvidenceScorer.DEFAULT_THRESHOLDS),
+        }
+    return {"thresholds": dict(BiEncoderScorer.BUNDLED_THRESHOLDS)}
 
 
 def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCounter] = None) -> Dict[str, Any]:
