@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -16,7 +15,7 @@ from llama_index.core.schema import MetadataMode
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
-from llama_index_crag.datasets import Question, _lines, load_documents, load_questions
+from llama_index_crag.datasets import Question, _lines, load_documents, load_questions, normalise_text
 from llama_index_crag.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
@@ -253,10 +252,6 @@ class StripSet:
         )
 
 
-def _normalise(text: str) -> str:
-    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
-
-
 def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: int) -> StripSet:
     """The strips ``StripRefiner`` would cut from each in-corpus batch's gold passages, labelled."""
     from llama_index_crag.refiner import decompose
@@ -267,7 +262,7 @@ def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: in
         if batch.kind != IN_CORPUS:
             continue
         question = batch.question
-        answers = [a for a in (_normalise(answer) for answer in question.answers) if a]
+        answers = [a for a in (normalise_text(answer) for answer in question.answers) if a]
         for doc_id in dict.fromkeys(d for d, g in zip(batch.doc_ids, batch.gold) if g):
             row = rows.get(doc_id)
             if row is None:
@@ -275,9 +270,9 @@ def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: in
             sentences = row.get("sentences") if doc_id in question.evidence else None
             text = " ".join(sentences) if sentences else str(row["text"])
             strips = [s.text for s in decompose(text, min_tokens)]
-            normalised = [_normalise(s) for s in strips]
+            normalised = [normalise_text(s) for s in strips]
             if sentences:
-                wanted = [_normalise(sentences[i]) for i in question.evidence[doc_id] if i < len(sentences)]
+                wanted = [normalise_text(sentences[i]) for i in question.evidence[doc_id] if i < len(sentences)]
                 labels = [any(w and (w in s or s in w) for w in wanted) for s in normalised]
             elif answers:
                 labels = [any(a in s for a in answers) for s in normalised]

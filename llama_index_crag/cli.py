@@ -35,9 +35,7 @@ def _demo(args: argparse.Namespace) -> int:
         index=index, llm=llm, enabled=False if args.disable_crag else None, calibration_path=args.calibration
     )
     s = engine.settings
-    say(
-        f"CRAG {'on' if s.enabled else 'off'}: scorer {engine.grader.scorer.name}, upper={s.upper}, lower={s.lower}\n"
-    )
+    say(f"CRAG {'on' if s.enabled else 'off'}: scorer {engine.grader.scorer.name}, upper={s.upper}, lower={s.lower}\n")
     rows = []
     for q in tqdm(questions, desc="questions", disable=not args.progress):
         response = engine.query(q.question)
@@ -193,8 +191,30 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--judge-limit", type=int, default=40, help="batches the (slow) LLM judge grades")
     report.add_argument("--out", default="grade-report", help="folder for the JSON, Markdown and PNG")
     report.set_defaults(run=_grade_report)
+    snippets = commands.add_parser(
+        "snippets",
+        help="derive a noisy on-topic snippet set from a dataset (the grader's hardest case) for grade-report",
+        description="Cuts every document into snippets of a few sentences and relabels each question by the "
+        "snippets that hold its answer (answer string or evidence sentence). Out of corpus, retrieval then finds "
+        "the rest of the same document: on the subject, without the answer.",
+    )
+    snippets.add_argument("--dataset", required=True, help="folder with corpus.jsonl and questions.jsonl")
+    snippets.add_argument("--out", required=True, help="folder for the derived corpus.jsonl and questions.jsonl")
+    snippets.add_argument("--min-words", type=int, default=30, help="shortest snippet in words")
+    snippets.set_defaults(run=_snippets)
     add_eval_parser(commands)
     return parser
+
+
+def _snippets(args: argparse.Namespace) -> int:
+    from llama_index_crag.evaluation.snippets import snippet_set
+
+    counts = snippet_set(Path(args.dataset), Path(args.out), args.min_words)
+    print(
+        f"Wrote {counts['snippets']} snippets and {counts['questions']} questions to {args.out} "
+        f"({counts['left_out']} answerable questions left out: no snippet holds their answer)."
+    )
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
@@ -71,6 +72,11 @@ def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
         )
         for row in _lines(Path(folder) / "questions.jsonl")
     ]
+
+
+def normalise_text(text: str) -> str:
+    """Lower case, punctuation to spaces, whitespace collapsed: for matching answers and sentences in text."""
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
 
 
 def content_hash(*paths: Path) -> str:

@@ -66,8 +66,7 @@ def load_spacy(name: Optional[str] = None) -> Any:
         import spacy
     except ImportError as exc:
         raise ImportError(
-            "synthetic questions need spaCy and its small English pipeline: "
-            "pip install 'llama-index-crag[synthetic]'"
+            "synthetic questions need spaCy and its small English pipeline: pip install 'llama-index-crag[synthetic]'"
         ) from exc
     for package in (name,) if name else SPACY_PACKAGES:
         spec = importlib.util.find_spec(package)

@@ -220,3 +220,63 @@ def test_the_engine_loads_learned_weights_from_its_calibration_file(tmp_path: Pa
     calibration = tmp_path / "calibration.json"
     main(["calibrate", "--dataset", str(SAMPLE_DIR), "--out", str(calibration), "--no-progress"])
     assert_engine_loads_calibration(calibration)
+
+
+def test_a_snippet_set_labels_the_snippets_that_hold_the_answer(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "snippets"
+    assert main(["snippets", "--dataset", str(SAMPLE_DIR), "--out", str(out), "--min-words", "20"]) == 0
+    assert "snippets and" in capsys.readouterr().out
+    corpus = {row["doc_id"]: row["text"] for row in map(json.loads, (out / "corpus.jsonl").read_text().splitlines())}
+    originals = {d.doc_id: d.text for d in load_documents()}
+    # Every snippet is a piece of one document; prose ones are at least 20 words unless the document is shorter
+    # (a table or code block stays whole, as the refiner keeps it).
+    assert len(corpus) > len(originals)
+    for snippet_id, text in corpus.items():
+        source = originals[snippet_id.split("#")[0]]
+        assert text in source
+        assert len(text.split()) >= 20 or len(source.split()) < 40 or text.lstrip()[:1] in "`|"
+    questions = [json.loads(line) for line in (out / "questions.jsonl").read_text().splitlines()]
+    answerable = [q for q in questions if q["answerable"]]
+    assert answerable and len(answerable) < len(questions)
+    for question in answerable:
+        assert question["relevant_doc_ids"]
+        for snippet_id in question["relevant_doc_ids"]:
+            assert any(a.lower() in corpus[snippet_id].lower() for a in question["answers"]), question
+        # The document's other snippets are the on-topic noise: they stay in the corpus, unlabelled.
+        document = question["relevant_doc_ids"][0].split("#")[0]
+        siblings = [s for s in corpus if s.split("#")[0] == document and s not in question["relevant_doc_ids"]]
+        for snippet_id in siblings:
+            assert not any(a.lower() in corpus[snippet_id].lower() for a in question["answers"])
+
+
+def test_a_snippet_set_labels_evidence_sentences_by_index(tmp_path: Path) -> None:
+    from llama_index_crag.evaluation.snippets import snippet_set
+
+    source = tmp_path / "set"
+    source.mkdir()
+    sentences = [f"Sentence {i} says something about mice and proteins in this study." for i in range(6)]
+    (source / "corpus.jsonl").write_text(json.dumps({"doc_id": "7", "title": "T", "sentences": sentences}) + "\n")
+    claims = [
+        {
+            "qid": "a",
+            "claim": "Mice lack the protein.",
+            "evidence": {"7": {"sentences": [3]}},
+            "relevant_doc_ids": ["7"],
+        },
+        {"qid": "b", "claim": "Nothing here.", "answerable": False, "relevant_doc_ids": []},
+    ]
+    (source / "questions.jsonl").write_text("".join(json.dumps(c) + "\n" for c in claims))
+    counts = snippet_set(source, tmp_path / "out", min_words=20)
+    assert counts == {"snippets": 3, "questions": 2, "left_out": 0}
+    rows = [json.loads(line) for line in (tmp_path / "out" / "questions.jsonl").read_text().splitlines()]
+    # Sentences 2 and 3 form the second snippet (two 10-word sentences a snippet).
+    assert rows[0]["relevant_doc_ids"] == ["7#1"] and rows[0]["question"] == "Mice lack the protein."
+    assert rows[1] == {
+        "qid": "b",
+        "question": "Nothing here.",
+        "answers": [],
+        "answerable": False,
+        "relevant_doc_ids": [],
+    }
+    with pytest.raises(ValueError, match="min_words"):
+        snippet_set(source, tmp_path / "bad", min_words=0)
