@@ -255,7 +255,9 @@ def test_a_snippet_set_labels_evidence_sentences_by_index(tmp_path: Path) -> Non
     source = tmp_path / "set"
     source.mkdir()
     sentences = [f"Sentence {i} says something about mice and proteins in this study." for i in range(6)]
-    (source / "corpus.jsonl").write_text(json.dumps({"doc_id": "7", "title": "T", "sentences": sentences}) + "\n")
+    (source / "corpus.jsonl").write_text(
+        json.dumps({"doc_id": "7", "title": "Mice lack the protein", "sentences": sentences}) + "\n"
+    )
     claims = [
         {
             "qid": "a",
@@ -268,6 +270,9 @@ def test_a_snippet_set_labels_evidence_sentences_by_index(tmp_path: Path) -> Non
     (source / "questions.jsonl").write_text("".join(json.dumps(c) + "\n" for c in claims))
     counts = snippet_set(source, tmp_path / "out", min_words=20)
     assert counts == {"snippets": 3, "questions": 2, "left_out": 0}
+    # The title states the claim: carried into every snippet, it would make each one look like evidence.
+    snippets = [json.loads(line) for line in (tmp_path / "out" / "corpus.jsonl").read_text().splitlines()]
+    assert all("title" not in s and "Mice lack" not in s["text"] for s in snippets)
     rows = [json.loads(line) for line in (tmp_path / "out" / "questions.jsonl").read_text().splitlines()]
     # Sentences 2 and 3 form the second snippet (two 10-word sentences a snippet).
     assert rows[0]["relevant_doc_ids"] == ["7#1"] and rows[0]["question"] == "Mice lack the protein."

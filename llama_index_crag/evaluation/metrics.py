@@ -201,7 +201,7 @@ def targets(figures: Dict[str, Dict[str, Any]], rows: Sequence[Dict[str, Any]], 
         Target(
             "correct-path p50 pipeline time, CRAG / plain (same questions)",
             f"<= {MAX_CORRECT_PATH_RATIO}",
-            "n/a" if ratio is None else f"{ratio:.2f}",
+            "n/a" if ratio is None else f"{ratio:.3f}",
             None if ratio is None else ratio <= MAX_CORRECT_PATH_RATIO,
         )
     )

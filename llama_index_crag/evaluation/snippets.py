@@ -42,6 +42,9 @@ def _group(sentences: List[str], min_words: int) -> List[range]:
 def snippet_set(folder: Path | str, out: Path | str, min_words: int = 30) -> Dict[str, int]:
     """Cut ``folder``'s documents into snippets of at least ``min_words`` words and relabel its questions.
 
+    Snippets carry no title: a title can state the answer, and would then put it in
+    every snippet of its document.
+
     An answerable question keeps the snippets of its relevant documents that hold
     an answer string or an evidence sentence; one whose answer no snippet holds
     (a paraphrased answer) is left out. An unanswerable question's relevant
@@ -63,10 +66,9 @@ def snippet_set(folder: Path | str, out: Path | str, min_words: int = 30) -> Dic
         else:
             text = str(row.get("text", ""))
             parts = [s.text for s in decompose(text, min_words)] if text.strip() else []
-        snippets[doc_id] = [
-            {"doc_id": f"{doc_id}#{i}", "text": part, **({"title": row["title"]} if row.get("title") else {})}
-            for i, part in enumerate(parts)
-        ]
+        # No title: a title can state the answer (SciFact's paper titles often state the finding), and then
+        # every snippet of the document would hold it.
+        snippets[doc_id] = [{"doc_id": f"{doc_id}#{i}", "text": part} for i, part in enumerate(parts)]
     questions: List[Dict[str, Any]] = []
     dropped = 0
     for row in _lines(folder / "questions.jsonl"):
