@@ -83,8 +83,9 @@ def snippet_set(folder: Path | str, out: Path | str, min_words: int = 30) -> Dic
                 evidence = set(((row.get("evidence") or {}).get(doc_id) or {}).get("sentences", []))
                 doc_spans = spans.get(doc_id, [])
                 for i, snippet in enumerate(snippets.get(doc_id, [])):
+                    text = normalise_text(snippet["text"]) if answers else ""
                     labelled = i < len(doc_spans) and bool(evidence.intersection(doc_spans[i]))
-                    if labelled or any(a in normalise_text(snippet["text"]) for a in answers):
+                    if labelled or any(a in text for a in answers):
                         ids.append(snippet["doc_id"])
             if not ids:
                 dropped += 1
