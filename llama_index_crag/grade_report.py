@@ -183,15 +183,22 @@ class _StripCV:
             self.counts[key] += np.asarray(strip_counts(test_scores, test_labels, value))
 
     def result(self) -> Dict[str, Any]:
-        fitted = self.counts["fitted"]
+        mean = float(np.mean(self.thresholds)) if self.thresholds else None
         return {
-            "passages": len(self.strips),
-            "evidence_strips": int(fitted[1]),
-            "other_strips": int(fitted[3]),
-            "strip_threshold_mean": float(np.mean(self.thresholds)) if self.thresholds else None,
-            **_shares(fitted),
+            **_strip_figures(len(self.strips), self.counts["fitted"], mean),
             "at_lower": _shares(self.counts["lower"]),
         }
+
+
+def _strip_figures(passages: int, counts: np.ndarray, threshold: Optional[float]) -> Dict[str, Any]:
+    """The strip figures of the report, from ``strip_counts`` at ``threshold``."""
+    return {
+        "passages": passages,
+        "evidence_strips": int(counts[1]),
+        "other_strips": int(counts[3]),
+        "strip_threshold_mean": threshold,
+        **_shares(counts),
+    }
 
 
 def _shares(counts: np.ndarray) -> Dict[str, Optional[float]]:
@@ -225,13 +232,7 @@ def with_calibration(
         if len(test):
             strip_threshold = thresholds.get("strip_threshold", thresholds["lower"])
             counts = np.asarray(strip_counts(score_strips(scorer, test, progress), test.labels, strip_threshold))
-            strip_figures = {
-                "passages": len(test),
-                "evidence_strips": int(counts[1]),
-                "other_strips": int(counts[3]),
-                "strip_threshold_mean": float(strip_threshold),
-                **_shares(counts),
-            }
+            strip_figures = _strip_figures(len(test), counts, float(strip_threshold))
     return Outcome(
         scorer.name,
         scorer.normalization,
@@ -412,8 +413,10 @@ def run_calibration(
     strip_fit = None
     if len(strips):
         strip_scores = score_strips(scorer, strips, progress)
-        if any(any(row) for row in strips.labels) and not all(all(row) for row in strips.labels):
+        try:
             strip_fit = fit_strip_threshold(strip_scores, strips.labels)
+        except ValueError:
+            pass  # every strip is evidence: nothing to separate, the scorer's default strip threshold applies
     return write_calibration(
         out,
         scorer,
