@@ -15,7 +15,7 @@ from llama_index.core.schema import MetadataMode
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
-from llama_index_crag.datasets import Question, _lines, load_documents, load_questions, normalise_text
+from llama_index_crag.datasets import Question, load_documents, load_questions, normalise_text, read_jsonl
 from llama_index_crag.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
@@ -92,21 +92,27 @@ def labelled_batches(
     queries = embed_model.get_text_embedding_batch([q.question for q in questions])
     batches: List[Batch] = []
     for question, vector in zip(questions, queries):
-        query = np.asarray(vector, dtype=np.float32)
-        order = np.argsort(-(matrix @ (query / max(float(np.linalg.norm(query)), 1e-12))))
+        order = ranking(matrix, vector)
         gold = set(question.relevant_doc_ids) if question.answerable else set()
         top = [int(i) for i in order[:k]]
         if not question.answerable:
-            batches.append(_batch(question, UNANSWERABLE, top, ids, texts, gold))
+            batches.append(make_batch(question, UNANSWERABLE, top, ids, texts, gold))
             continue
         if gold & {ids[i] for i in top}:
-            batches.append(_batch(question, IN_CORPUS, top, ids, texts, gold))
+            batches.append(make_batch(question, IN_CORPUS, top, ids, texts, gold))
         without = [int(i) for i in order[: k + len(gold)] if ids[int(i)] not in gold][:k]
-        batches.append(_batch(question, OUT_OF_CORPUS, without, ids, texts, gold))
+        batches.append(make_batch(question, OUT_OF_CORPUS, without, ids, texts, gold))
     return LabelledSet(batches, texts, matrix, [q.question for q in questions], queries)
 
 
-def _batch(question: Question, kind: str, rows: List[int], ids: List[str], texts: List[str], gold: set) -> Batch:
+def ranking(matrix: np.ndarray, vector: Sequence[float]) -> np.ndarray:
+    """Row indices of the unit-length ``matrix``, most cosine-similar to ``vector`` first (dense retrieval)."""
+    query = np.asarray(vector, dtype=np.float32)
+    return np.argsort(-(matrix @ (query / max(float(np.linalg.norm(query)), 1e-12))))
+
+
+def make_batch(question: Question, kind: str, rows: List[int], ids: List[str], texts: List[str], gold: set) -> Batch:
+    """The batch of ``question`` made of the corpus rows ``rows``; ``gold`` holds the ids of the answer's passages."""
     return Batch(
         question=question,
         kind=kind,
@@ -256,7 +262,7 @@ def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: in
     """The strips ``StripRefiner`` would cut from each in-corpus batch's gold passages, labelled."""
     from llama_index_crag.refiner import decompose
 
-    rows = {str(r["doc_id"]): r for r in _lines(Path(folder) / "corpus.jsonl")}
+    rows = {str(r["doc_id"]): r for r in read_jsonl(Path(folder) / "corpus.jsonl")}
     found = StripSet()
     for batch in batches:
         if batch.kind != IN_CORPUS:

@@ -27,7 +27,8 @@ class Question:
     evidence: Dict[str, List[int]] = field(default_factory=dict)
 
 
-def _lines(path: Path) -> Iterator[dict]:
+def read_jsonl(path: Path) -> Iterator[dict]:
+    """The JSON objects of a JSON-lines file, one a line (blank lines skipped); a clear error names a bad line."""
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: a dataset folder holds corpus.jsonl and questions.jsonl")
     with path.open(encoding="utf-8") as handle:
@@ -42,7 +43,7 @@ def _lines(path: Path) -> Iterator[dict]:
 def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
     """The corpus as LlamaIndex documents: ``doc_id`` as id and metadata (hidden from models), ``title`` shown."""
     documents = []
-    for row in _lines(Path(folder) / "corpus.jsonl"):
+    for row in read_jsonl(Path(folder) / "corpus.jsonl"):
         metadata = {"doc_id": row["doc_id"]}
         if row.get("title"):
             metadata["title"] = row["title"]
@@ -70,7 +71,7 @@ def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
             split=row.get("split"),
             evidence={str(doc): list(e.get("sentences", [])) for doc, e in (row.get("evidence") or {}).items()},
         )
-        for row in _lines(Path(folder) / "questions.jsonl")
+        for row in read_jsonl(Path(folder) / "questions.jsonl")
     ]
 
 

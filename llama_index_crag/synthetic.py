@@ -27,12 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
-from llama_index_crag.calibration import IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE, Batch, LabelledSet, _batch
+from llama_index_crag.calibration import (
+    IN_CORPUS,
+    OUT_OF_CORPUS,
+    UNANSWERABLE,
+    Batch,
+    LabelledSet,
+    make_batch,
+    ranking,
+)
 from llama_index_crag.datasets import Question, load_documents
 from llama_index_crag.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 
@@ -195,17 +202,16 @@ def synthetic_batches(
     queries = embed_model.get_text_embedding_batch([m.question.question for m in made])
     batches: List[Batch] = []
     for item, vector in zip(made, queries):
-        query = np.asarray(vector, dtype=np.float32)
-        order = np.argsort(-(matrix @ (query / max(float(np.linalg.norm(query)), 1e-12))))
+        order = ranking(matrix, vector)
         source = position[item.question.relevant_doc_ids[0]]
         top = [int(i) for i in order[:k]]
         without = [int(i) for i in order[: k + 1] if int(i) != source][:k]
         if source in top:
-            batches.append(_batch(item.question, IN_CORPUS, top, ids, texts, {ids[source]}))
-        batches.append(_batch(item.question, OUT_OF_CORPUS, without, ids, texts, set()))
+            batches.append(make_batch(item.question, IN_CORPUS, top, ids, texts, {ids[source]}))
+        batches.append(make_batch(item.question, OUT_OF_CORPUS, without, ids, texts, set()))
         title = documents[source].metadata.get("title")
         redacted = f"title: {title}\n\n{item.redacted}" if title else item.redacted
-        hard = _batch(item.question, UNANSWERABLE, without[: k - 1], ids, texts, set())
+        hard = make_batch(item.question, UNANSWERABLE, without[: k - 1], ids, texts, set())
         hard.doc_ids.insert(0, ids[source])
         hard.texts.insert(0, redacted)
         hard.gold.insert(0, False)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from llama_index_crag.datasets import Question, _lines, load_questions
+from llama_index_crag.datasets import Question, load_questions, read_jsonl
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -56,9 +56,9 @@ def load_eval_questions(folder: Path | str) -> List[EvalQuestion]:
 
 def _evidence_sentences(folder: Path) -> Dict[str, Tuple[str, ...]]:
     """SciFact-style ``evidence`` (sentence indices per document), resolved to the sentences' text."""
-    sentences = {str(row["doc_id"]): row.get("sentences") or [] for row in _lines(folder / "corpus.jsonl")}
+    sentences = {str(row["doc_id"]): row.get("sentences") or [] for row in read_jsonl(folder / "corpus.jsonl")}
     found: Dict[str, Tuple[str, ...]] = {}
-    for row in _lines(folder / "questions.jsonl"):
+    for row in read_jsonl(folder / "questions.jsonl"):
         picked = [
             sentences[doc][i]
             for doc, item in (row.get("evidence") or {}).items()

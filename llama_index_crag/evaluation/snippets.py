@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List
 
-from llama_index_crag.datasets import _lines, normalise_text
+from llama_index_crag.datasets import normalise_text, read_jsonl
 from llama_index_crag.refiner import decompose
 
 
@@ -56,7 +56,7 @@ def snippet_set(folder: Path | str, out: Path | str, min_words: int = 30) -> Dic
         raise ValueError("min_words must be at least 1")
     snippets: Dict[str, List[Dict[str, Any]]] = {}
     spans: Dict[str, List[range]] = {}
-    for row in _lines(folder / "corpus.jsonl"):
+    for row in read_jsonl(folder / "corpus.jsonl"):
         doc_id = str(row["doc_id"])
         sentences = [str(s) for s in row.get("sentences") or []]
         if sentences:
@@ -71,7 +71,7 @@ def snippet_set(folder: Path | str, out: Path | str, min_words: int = 30) -> Dic
         snippets[doc_id] = [{"doc_id": f"{doc_id}#{i}", "text": part} for i, part in enumerate(parts)]
     questions: List[Dict[str, Any]] = []
     dropped = 0
-    for row in _lines(folder / "questions.jsonl"):
+    for row in read_jsonl(folder / "questions.jsonl"):
         relevant = [str(d) for d in row.get("relevant_doc_ids", [])]
         answerable = bool(row.get("answerable", True))
         if not answerable:

@@ -83,9 +83,10 @@ class EvidenceScorer(RelevanceScorer):
     candidates scored with it (the passage that answers stands out from the rest of
     what retrieval found; when the answer is not in the index, nothing does). A
     logistic model combines them. A passage scored alone has no lead (zero), so score
-    a retrieval's candidates together, as the grader does. Its weights are learned by ``llama-crag calibrate`` on a
-    labelled set of the user's own data and stored in the calibration file; the
-    defaults were fitted on a public development set (SQuAD 2.0), see docs/grading.md.
+    a retrieval's candidates together, as the grader does. The weights are learned by
+    ``llama-crag calibrate`` on a labelled set of the user's own data and stored in the
+    calibration file; the defaults were fitted on a public development set (SQuAD 2.0),
+    see docs/grading.md.
 
     Normalisation: the logistic model's probability that the passage is relevant.
 
