@@ -125,6 +125,10 @@ def _grade_report(args: argparse.Namespace) -> int:
     )
     print(f"{report['dataset']} ({report['protocol']}, top-{report['k']} candidates)\n")
     print(table(report["results"]))
+    print(
+        "\nceiling: the best three-band accuracy any single lower threshold reaches on these scores, "
+        "chosen on the same rows (a bound, not a result)"
+    )
     for result in report["results"]:
         if result.get("strips"):
             s = result["strips"]

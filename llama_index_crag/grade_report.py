@@ -274,26 +274,59 @@ def figures(outcome: Outcome) -> Dict[str, Any]:
         "normalization": outcome.normalization,
         "rows": rows,
         "three_band_accuracy": float(right.mean()),
+        "accuracy_ceiling": accuracy_ceiling(outcome.aggregate, kinds == IN_CORPUS),
         "confusion": confusion,
         "pairs_per_second": round(outcome.pairs_per_second, 1),
         "thresholds_mean": {"upper": float(outcome.upper.mean()), "lower": float(outcome.lower.mean())},
+        "batches": [
+            {"qid": b.question.qid, "kind": b.kind, "score": round(float(s), 6), "verdict": v}
+            for b, s, v in zip(outcome.batches, outcome.aggregate, verdicts)
+        ],
     }
+
+
+def accuracy_ceiling(scores: np.ndarray, answerable: np.ndarray) -> Dict[str, Optional[float]]:
+    """The best three-band accuracy any single ``lower`` threshold reaches on these scores, and that threshold.
+
+    Chosen on the very rows it is measured on, so it is a bound, not a result: it
+    says whether better thresholds could reach an accuracy target or only a better
+    scorer can. A batch is right when it is answerable and scores at or above the
+    threshold, or not answerable and scores below it (``upper`` does not change
+    whether a batch is answered).
+    """
+    if not len(scores):
+        return {"accuracy": None, "lower": None}
+    order = np.argsort(scores, kind="stable")
+    ranked, positive = scores[order], answerable[order].astype(int)
+    # Threshold at ranked[i]: rows before i are judged incorrect, rows from i on answered.
+    negatives_below = np.concatenate([[0], np.cumsum(1 - positive)])
+    positives_from = np.concatenate([np.cumsum(positive[::-1])[::-1], [0]])
+    starts = np.flatnonzero(np.concatenate([[True], ranked[1:] != ranked[:-1], [True]]))
+    right = negatives_below[starts] + positives_from[starts]
+    best = int(np.argmax(right))
+    lower = float(ranked[starts[best]]) if starts[best] < len(ranked) else float(np.nextafter(ranked[-1], np.inf))
+    return {"accuracy": float(right[best] / len(scores)), "lower": lower}
 
 
 def table(results: Sequence[Mapping[str, Any]]) -> str:
     """The report as a Markdown table: one row per scorer and comparison."""
     lines = [
-        "| scorer | row | AUROC | accuracy | batches | three-band accuracy | pairs/s |",
-        "|---|---|---|---|---|---|---|",
+        "| scorer | row | AUROC | accuracy | batches | three-band accuracy | ceiling | pairs/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         for row, values in result["rows"].items():
             auroc = "-" if values["auroc"] is None else f"{values['auroc']:.3f}"
             lines.append(
                 f"| {result['scorer']} | {row} | {auroc} | {values['accuracy']:.3f} | {values['batches']} "
-                f"| {result['three_band_accuracy']:.3f} | {result['pairs_per_second']:.0f} |"
+                f"| {result['three_band_accuracy']:.3f} | {_ceiling(result)} | {result['pairs_per_second']:.0f} |"
             )
     return "\n".join(lines)
+
+
+def _ceiling(result: Mapping[str, Any]) -> str:
+    value = result["accuracy_ceiling"]["accuracy"]
+    return "-" if value is None else f"{value:.3f}"
 
 
 def plot(outcomes: Sequence[Outcome], path: Path) -> None:

@@ -193,7 +193,23 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
     report = json.loads((tmp_path / "r" / "grade-report.json").read_text())
     rows = {r["scorer"]: r["rows"] for r in report["results"]}
     assert 0.5 < rows["evidence:all-MiniLM-L6-v2"]["out-of-corpus"]["auroc"] <= 1.0
-    strips = {r["scorer"]: r["strips"] for r in report["results"]}["evidence:all-MiniLM-L6-v2"]
+    evidence = {r["scorer"]: r for r in report["results"]}["evidence:all-MiniLM-L6-v2"]
+    # Every batch's score and verdict is in the JSON, and the ceiling is the best single threshold over them.
+    kinds = [b["kind"] for b in evidence["batches"]]
+    assert sum(k == "in-corpus" for k in kinds) == evidence["rows"]["out-of-corpus"]["batches"] - kinds.count(
+        "out-of-corpus"
+    )
+    right = [
+        b["verdict"] != "incorrect" if b["kind"] == "in-corpus" else b["verdict"] == "incorrect"
+        for b in evidence["batches"]
+    ]
+    assert sum(right) / len(right) == pytest.approx(evidence["three_band_accuracy"])
+    best = max(
+        sum((b["score"] >= t) == (b["kind"] == "in-corpus") for b in evidence["batches"])
+        for t in [b["score"] for b in evidence["batches"]] + [2.0]
+    )
+    assert evidence["accuracy_ceiling"]["accuracy"] == pytest.approx(best / len(kinds), abs=1e-6)
+    strips = evidence["strips"]
     assert strips["evidence_strips"] > 10 and strips["other_strips"] > strips["evidence_strips"]
     assert 0.0 <= strips["evidence_kept"] <= 1.0 and 0.0 <= strips["at_lower"]["other_dropped"] <= 1.0
     assert (tmp_path / "r" / "grade-report.png").stat().st_size > 10_000
@@ -214,6 +230,27 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
             8,
             progress=False,
         )
+
+
+def test_the_accuracy_ceiling_is_the_best_single_threshold() -> None:
+    from llama_index_crag.grade_report import accuracy_ceiling
+
+    scores = np.asarray([0.9, 0.8, 0.7, 0.7, 0.4, 0.2])
+    answerable = np.asarray([True, False, True, False, True, False])
+    # Answering from 0.4 up gets the three answerable and 0.2 right (4 of 6); from 0.9 up, 0.9 and the three
+    # unanswerable below it (4 of 6); from 0.7 up only 3. The first best, in score order, is 0.4.
+    ceiling = accuracy_ceiling(scores, answerable)
+    assert ceiling["accuracy"] == pytest.approx(4 / 6)
+    assert ceiling["lower"] == 0.4
+    # Perfectly separated classes reach 1.0 with the threshold at the lowest answerable score.
+    assert accuracy_ceiling(np.asarray([0.1, 0.2, 0.8, 0.9]), np.asarray([False, False, True, True])) == {
+        "accuracy": 1.0,
+        "lower": 0.8,
+    }
+    # All negative: the threshold goes above every score.
+    none_answerable = accuracy_ceiling(np.asarray([0.3, 0.5]), np.asarray([False, False]))
+    assert none_answerable["accuracy"] == 1.0 and none_answerable["lower"] > 0.5
+    assert accuracy_ceiling(np.asarray([]), np.asarray([], dtype=bool)) == {"accuracy": None, "lower": None}
 
 
 def test_the_engine_loads_learned_weights_from_its_calibration_file(tmp_path: Path) -> None:
