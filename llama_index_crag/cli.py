@@ -32,7 +32,11 @@ def _demo(args: argparse.Namespace) -> int:
     say("Embeddings: bundled all-MiniLM-L6-v2 (offline). Fallback: BM25 + sentence windows.")
     index = VectorStoreIndex.from_documents(documents, embed_model=default_embed_model(), show_progress=True)
     engine = CorrectiveQueryEngine.from_defaults(
-        index=index, llm=llm, enabled=False if args.disable_crag else None, calibration_path=args.calibration
+        index=index,
+        llm=llm,
+        enabled=False if args.disable_crag else None,
+        explain=True if args.explain else None,
+        calibration_path=args.calibration,
     )
     s = engine.settings
     say(f"CRAG {'on' if s.enabled else 'off'}: scorer {engine.grader.scorer.name}, upper={s.upper}, lower={s.lower}\n")
@@ -58,6 +62,16 @@ def _print_row(q: Question, answer: str, crag: dict, sources: Sequence[str]) -> 
     verdict = "ABSTAINED" if crag["abstained"] else "answered"
     top = crag["top_score"]
     print(f"  action: {crag['action']}  top score: {top if top is not None else '-'}  {verdict}")
+    explained = [n for n in crag["nodes"] if n.get("explanation") and "contributions" in n["explanation"]]
+    if explained:
+        best = max(explained, key=lambda n: n["score"])
+        why = best["explanation"]
+        parts = sorted(why["contributions"].items(), key=lambda kv: -abs(kv[1]))[:3]
+        print(
+            f"  best candidate {best['doc_id'] or best['node_id']} ({best['score']}): "
+            + ", ".join(f"{name} {value:+.2f}" for name, value in parts)
+            + f"; lacks: {', '.join(why['missing_terms'][:5]) or 'nothing'}"
+        )
     if crag.get("rewritten_query"):
         print(f"  rewritten query: {crag['rewritten_query']}  fallback: {', '.join(crag['fallback_sources']) or '-'}")
     if crag["abstained"]:
@@ -169,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--calibration", default=None, help="calibration JSON with the thresholds")
     demo.add_argument("--disable-crag", action="store_true", help="plain retrieve-then-generate, for comparison")
     demo.add_argument("--json", action="store_true", help="print every trace as JSON")
+    demo.add_argument(
+        "--explain", action="store_true", help="show why the best candidate scored what it did (as CRAG_EXPLAIN=true)"
+    )
     demo.add_argument("--progress", action="store_true", help="show a progress bar over the questions")
     demo.set_defaults(run=_demo)
 

@@ -216,6 +216,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 lower=resolved.lower,
                 aggregation=resolved.aggregation,
                 min_relevant=resolved.min_relevant,
+                explain=resolved.explain,
             ),
             refiner=StripRefiner(
                 scorer,
@@ -464,6 +465,9 @@ def _not_incorrect(nodes: List[NodeWithScore], grading: Grading) -> List[NodeWit
 
 def _record(trace: CragTrace, nodes: Sequence[NodeWithScore], grading: Grading) -> None:
     first = not trace.nodes
+    explanations: List[Optional[Dict[str, Any]]] = [None] * len(nodes)
+    if grading.explanations is not None:
+        explanations = list(grading.explanations)
     trace.nodes.extend(
         NodeGrade(
             node_id=n.node.node_id,
@@ -471,8 +475,9 @@ def _record(trace: CragTrace, nodes: Sequence[NodeWithScore], grading: Grading) 
             score=round(score, 4),
             label=label.value,
             source=n.node.metadata.get(SOURCE_KEY, "retriever"),
+            explanation=explanation,
         )
-        for n, score, label in zip(nodes, grading.scores, grading.labels)
+        for n, score, label, explanation in zip(nodes, grading.scores, grading.labels, explanations)
     )
     if first:
         trace.aggregate_score = round(grading.aggregate, 4)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any, List, Literal, Optional, Sequence
+from typing import Any, Dict, List, Literal, Optional, Sequence
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
@@ -46,6 +46,8 @@ class Grading:
     aggregate: float
     top_score: float
     verdict: Verdict
+    #: Per candidate, why it scored what it did (``RelevanceScorer.explain``); ``None`` unless asked for.
+    explanations: Optional[List[Dict[str, Any]]] = None
 
 
 class RelevanceGrader(BaseNodePostprocessor):
@@ -68,6 +70,10 @@ class RelevanceGrader(BaseNodePostprocessor):
     min_relevant: int = Field(
         default=2, ge=1, description="For aggregation='count': candidates that must clear a band."
     )
+    explain: bool = Field(
+        default=False,
+        description="Also ask the scorer why each candidate scored what it did (the evidence scorer can say).",
+    )
     _scorer: RelevanceScorer = PrivateAttr()
 
     def __init__(
@@ -77,11 +83,14 @@ class RelevanceGrader(BaseNodePostprocessor):
         lower: float,
         aggregation: Aggregation = "max",
         min_relevant: int = 2,
+        explain: bool = False,
         **kwargs: Any,
     ) -> None:
         if not 0.0 <= lower <= upper <= 1.0:
             raise ValueError(f"thresholds must satisfy 0 <= lower <= upper <= 1, got lower={lower}, upper={upper}")
-        super().__init__(upper=upper, lower=lower, aggregation=aggregation, min_relevant=min_relevant, **kwargs)
+        super().__init__(
+            upper=upper, lower=lower, aggregation=aggregation, min_relevant=min_relevant, explain=explain, **kwargs
+        )
         self._scorer = scorer
 
     @classmethod
@@ -97,6 +106,8 @@ class RelevanceGrader(BaseNodePostprocessor):
         """Score and label ``nodes`` for ``query_bundle`` and decide the batch verdict."""
         scores = self._scorer.score_nodes(query_bundle, nodes) if nodes else []
         grading = self._judge(scores)
+        if self.explain and nodes:
+            grading = replace(grading, explanations=self._scorer.explain_nodes(query_bundle, nodes))
         dispatcher.event(
             CragGradeEvent(
                 query=query_bundle.query_str,

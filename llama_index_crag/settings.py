@@ -41,6 +41,10 @@ class CragSettings(BaseModel):
         default=8, ge=1, description="Shortest knowledge strip, in words; shorter ones are merged."
     )
     hybrid: bool = Field(default=False, description="On AMBIGUOUS, add fallback results to the refined strips.")
+    explain: bool = Field(
+        default=False,
+        description="Put each candidate's explanation (features, contributions, missing query words) in the trace.",
+    )
     correction_timeout_s: float = Field(default=30.0, gt=0, description="Time budget of the whole correction path.")
     max_query_chars: int = Field(default=8000, ge=1, description="Longer queries are refused with a clear error.")
     abstain_text: str = Field(
@@ -81,12 +85,15 @@ class CragSettings(BaseModel):
         return settings
 
 
+_BOOLEANS = ("enabled", "hybrid", "explain")
+
+
 def _from_env(environ: Mapping[str, str]) -> Dict[str, Any]:
     found: Dict[str, Any] = {}
     for name in CragSettings.model_fields:
         raw = environ.get(f"{ENV_PREFIX}{name.upper()}")
         if raw is not None:
-            found[name] = _parse_bool(name, raw) if name in ("enabled", "hybrid") else raw
+            found[name] = _parse_bool(name, raw) if name in _BOOLEANS else raw
     return found
 
 

@@ -66,6 +66,8 @@ class NodeGrade:
     label: str
     source: str
     doc_id: Optional[str] = None
+    #: Why it scored what it did (``explain=True`` and a scorer that can say), else None.
+    explanation: Optional[Dict[str, Any]] = None
 
 
 @dataclass

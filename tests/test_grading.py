@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, List
 
@@ -110,6 +111,28 @@ def test_a_passage_that_stands_out_from_the_other_candidates_scores_higher() -> 
     # A duplicate of the relevant passage does not cancel its twin: both still lead the rest.
     twins = scorer.score_texts(question, [GAMMA.text, GAMMA.text, BETA.text, ALPHA.text])
     assert twins[0] == twins[1] > max(twins[2:]) and twins[0] >= scorer.DEFAULT_THRESHOLDS["upper"]
+
+
+def test_the_evidence_scorer_explains_each_score_by_its_parts() -> None:
+    scorer = EvidenceScorer(corpus=[ALPHA.text, BETA.text, GAMMA.text])
+    question = "When did the gamma office open in Lisbon?"
+    texts = [GAMMA.text, BETA.text]
+    explained = scorer.explain(question, texts)
+    scores = scorer.score_texts(question, texts)
+    for explanation, score, row in zip(explained, scores, scorer.features(question, texts)):
+        # The contributions and the bias add up to the logit of the very score the grader uses.
+        assert sum(explanation["contributions"].values()) + explanation["bias"] == pytest.approx(
+            math.log(score / (1 - score)), abs=1e-2
+        )
+        assert explanation["score"] == pytest.approx(score, abs=1e-4)
+        assert list(explanation["features"]) == list(FEATURES)
+        assert list(explanation["features"].values()) == pytest.approx(list(row), abs=1e-4)
+    # What the passage lacks, rarest first: Porto's passage lacks "lisbon"; the menu lacks nearly everything.
+    assert explained[0]["missing_terms"] == ["lisbon"]
+    assert explained[1]["missing_terms"][0] == "lisbon" and {"gamma", "office"} <= set(explained[1]["missing_terms"])
+    assert scorer.explain(question, []) == []
+    # A scorer built on one model logit has nothing more to say.
+    assert LLMJudgeScorer(ScriptedLLM()).explain(question, texts) is None
 
 
 def test_evidence_scorer_learns_weights_and_round_trips_them() -> None:

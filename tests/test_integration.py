@@ -56,6 +56,27 @@ def test_answerable_question_is_answered_with_a_full_trace(engine: CorrectiveQue
     assert trace["timings_ms"]["crag_ms"] >= trace["timings_ms"]["grade"] > 0
 
 
+def test_explain_puts_why_each_candidate_scored_so_in_the_trace(
+    sample_index: VectorStoreIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRAG_EXPLAIN", "true")
+    explaining = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=ScriptedLLM(), fallback_sources=("bm25",))
+    assert explaining.grader.explain
+    trace = explaining.query("Who is the chief executive officer of Harbor Analytics?").metadata["crag"]
+    assert trace["nodes"]
+    for node in trace["nodes"]:
+        explanation = node["explanation"]
+        assert explanation["score"] == pytest.approx(node["score"], abs=1e-3)
+        assert set(explanation["contributions"]) == set(explanation["features"])
+    best = max(trace["nodes"], key=lambda n: n["score"])
+    assert best["doc_id"] == "harbor-001" and best["explanation"]["features"]["coverage"] > 0.5
+    # Off by default: the trace keeps the key, empty, and grading computes nothing more.
+    monkeypatch.delenv("CRAG_EXPLAIN")
+    plain = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=ScriptedLLM(), fallback_sources=("bm25",))
+    nodes = plain.query("Who is the chief executive officer of Harbor Analytics?").metadata["crag"]["nodes"]
+    assert nodes and all(n["explanation"] is None for n in nodes)
+
+
 def test_off_topic_question_is_graded_incorrect_and_abstains(engine: CorrectiveQueryEngine) -> None:
     llm = engine._rewriter.llm  # type: ignore[union-attr]
     before = dict(llm.calls)

@@ -218,6 +218,7 @@ def test_the_demo_command_answers_and_abstains(tmp_path: Path) -> None:
             str(tmp_path),
             "--ollama-url",
             "http://127.0.0.1:9",
+            "--explain",
         ],
         capture_output=True,
         text=True,
@@ -226,4 +227,6 @@ def test_the_demo_command_answers_and_abstains(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "using in-process llama.cpp" in result.stdout
+    # --explain names the best candidate and what it lacks: the CEO's profile lacks none of the question's words.
+    assert "best candidate harbor-001 (" in result.stdout and "lacks: nothing" in result.stdout
     assert result.stdout.count("action: ") == 2 and "abstained on 1." in result.stdout

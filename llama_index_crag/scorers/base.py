@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
@@ -37,6 +37,28 @@ class RelevanceScorer(ABC):
     @abstractmethod
     def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
         """Score raw passages (used for knowledge strips)."""
+
+    def explain(self, query: str, texts: Sequence[str]) -> Optional[List[Dict[str, Any]]]:
+        """Why each passage scored what it did, one JSON-ready dict a passage; ``None`` when the scorer cannot say.
+
+        Only scorers whose score is built from inspectable parts (the evidence scorer)
+        explain themselves; a model's single logit has nothing more to show.
+        """
+        return None
+
+    def explain_nodes(
+        self, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]
+    ) -> Optional[List[Dict[str, Any]]]:
+        """``explain`` for retrieved nodes; an empty passage is explained as such (it scores 0 unread)."""
+        texts = [node_text(n) for n in nodes]
+        live = [i for i, text in enumerate(texts) if text.strip()]
+        found = self.explain(query_bundle.query_str, [texts[i] for i in live]) if live else []
+        if found is None:
+            return None
+        explanations: List[Dict[str, Any]] = [{"empty_passage": True} for _ in texts]
+        for i, explanation in zip(live, found):
+            explanations[i] = explanation
+        return explanations
 
     def score_nodes(self, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]) -> List[float]:
         """Score retrieved nodes. Empty passages score 0 without a model call."""

@@ -148,14 +148,19 @@ class EvidenceScorer(RelevanceScorer):
         self._rare_idf = math.log((size + 1) / max(1.0, size / 50)) if size else math.inf
         return self
 
+    def _expandable(self, query_terms: Iterable[str]) -> FrozenSet[str]:
+        """Query words the corpus never uses that may abbreviate words it does use ("CEO" where the documents
+        say "chief executive officer"): such a word also counts as found where its expansion is."""
+        return frozenset(
+            t for t in query_terms if self._idf and t not in self._idf and 2 <= len(t) <= 5 and t.isalpha()
+        )
+
     def features(self, query: str, texts: Sequence[str]) -> np.ndarray:
         """The ``FEATURES`` of each passage for ``query``, one row a passage."""
         cosines = self.bi_encoder.score_texts(query, texts) if texts else []
         query_terms = set(terms(query))
         weight = {t: self._idf.get(t, self._unseen_idf) for t in query_terms}
-        # A query word the corpus never uses may be the acronym of words it does use ("CEO" where the
-        # documents say "chief executive officer"): such a word also counts as found where its expansion is.
-        expandable = {t for t in query_terms if self._idf and t not in self._idf and 2 <= len(t) <= 5 and t.isalpha()}
+        expandable = self._expandable(query_terms)
         total = sum(weight.values()) or 1.0
         rare = {t for t, w in weight.items() if w >= self._rare_idf}
         q_tokens = terms(query)
@@ -188,6 +193,37 @@ class EvidenceScorer(RelevanceScorer):
             return []
         logits = self.features(query, texts) @ self.weights[:-1] + self.weights[-1]
         return [sigmoid(float(v)) for v in logits]
+
+    def explain(self, query: str, texts: Sequence[str]) -> List[Dict[str, Any]]:
+        """Each passage's features, what each adds to the logit, and the query words it lacks.
+
+        ``contributions`` are weight times value for each feature; with ``bias`` they sum
+        to the logit whose sigmoid is ``score``. ``missing_terms`` are the query's
+        content words (lower-cased, lightly stemmed) the passage does not contain,
+        rarest in the corpus first: usually the first thing to read when a passage
+        that looks right scored low.
+        """
+        if not texts:
+            return []
+        rows = self.features(query, texts)
+        query_terms = set(terms(query))
+        expandable = self._expandable(query_terms)
+        rarest_first = sorted(query_terms, key=lambda t: (-self._idf.get(t, self._unseen_idf), t))
+        explanations = []
+        for text, row in zip(texts, rows):
+            view = _passage(text)
+            words = view.words | (expandable & view.acronyms)
+            contributions = row * self.weights[:-1]
+            explanations.append(
+                {
+                    "score": round(sigmoid(float(contributions.sum() + self.weights[-1])), 4),
+                    "features": {name: round(float(v), 4) for name, v in zip(FEATURES, row)},
+                    "contributions": {name: round(float(v), 4) for name, v in zip(FEATURES, contributions)},
+                    "bias": round(float(self.weights[-1]), 4),
+                    "missing_terms": [t for t in rarest_first if t not in words],
+                }
+            )
+        return explanations
 
     def fit(self, features: np.ndarray, labels: ArrayLike) -> EvidenceScorer:
         """Learn the weights from labelled (query, passage) features (relevant = True)."""
