@@ -302,22 +302,37 @@ def score_strips(scorer: RelevanceScorer, strips: StripSet, progress: bool = Tru
     ]
 
 
-def fit_strip_threshold(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[bool]]) -> Dict[str, float]:
-    """The strip threshold that best separates evidence strips from the rest (Youden's J).
+def fit_strip_threshold(
+    scores: Sequence[Sequence[float]], labels: Sequence[Sequence[bool]], at_most: Optional[float] = None
+) -> Dict[str, float]:
+    """The strip threshold that best separates evidence strips from the rest (Youden's J), as the refiner applies it.
 
-    Returns it with the share of evidence strips it keeps and of other strips it drops
-    on these rows.
+    A strip counts as kept when it clears the threshold or when no strip of its
+    passage does (``StripRefiner`` then passes the passage whole), so a threshold
+    above every strip of most passages keeps nearly everything and is not chosen.
+    ``at_most`` caps it: pass the passage threshold ``lower``, since a strip that
+    would pass as a passage should not be dropped as a strip. (Synthetic questions
+    copy their sentence, so on a small corpus their answer strips can all score far
+    above real ones; uncapped, the fit then lands above every real strip.)
+    Returns it with the share of evidence strips it keeps and of other strips it
+    drops on these rows.
     """
     flat = np.asarray([s for row in scores for s in row], dtype=np.float64)
     truth = np.asarray([lab for row in labels for lab in row], dtype=bool)
     if truth.all() or not truth.any():
         raise ValueError("fitting the strip threshold needs both evidence and other strips")
-    best, best_j = float(flat.min()), -1.0
-    for threshold in np.unique(flat):
-        kept = flat >= threshold
-        j = kept[truth].mean() - kept[~truth].mean()
-        if j > best_j:
-            best, best_j = float(threshold), float(j)
+    passage_best = np.asarray([max(row) for row in scores for _ in row], dtype=np.float64)
+    candidates = np.unique(flat)
+    if at_most is not None:
+        candidates = np.unique(np.append(candidates[candidates <= at_most], at_most))
+    best, best_j = float(candidates[0]), -np.inf
+    for start in range(0, len(candidates), 256):
+        block = candidates[start : start + 256, None]
+        kept = (flat[None, :] >= block) | (block > passage_best[None, :])
+        j = kept[:, truth].mean(axis=1) - kept[:, ~truth].mean(axis=1)
+        i = int(np.argmax(j))
+        if j[i] > best_j:
+            best, best_j = float(block[i, 0]), float(j[i])
     return {"strip_threshold": round(best, 6), **strip_outcome(scores, labels, best), "passages": len(scores)}
 
 

@@ -177,7 +177,7 @@ class _StripCV:
         test_labels = [lab for lab, m in zip(self.strips.labels, in_test) if m]
         if not test_scores or not train_scores:
             return
-        threshold = fit_strip_threshold(train_scores, train_labels)["strip_threshold"]
+        threshold = fit_strip_threshold(train_scores, train_labels, at_most=lower)["strip_threshold"]
         self.thresholds.append(threshold)
         for key, value in (("fitted", threshold), ("lower", lower)):
             self.counts[key] += np.asarray(strip_counts(test_scores, test_labels, value))
@@ -447,7 +447,7 @@ def run_calibration(
     if len(strips):
         strip_scores = score_strips(scorer, strips, progress)
         try:
-            strip_fit = fit_strip_threshold(strip_scores, strips.labels)
+            strip_fit = fit_strip_threshold(strip_scores, strips.labels, at_most=thresholds["lower"])
         except ValueError:
             pass  # every strip is evidence: nothing to separate, the scorer's default strip threshold applies
     return write_calibration(

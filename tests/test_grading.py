@@ -53,6 +53,22 @@ def test_the_strip_threshold_separates_evidence_strips_and_passes_a_passage_with
         fit_strip_threshold([[0.5, 0.6]], [[True, True]])
 
 
+def test_the_strip_threshold_is_fitted_as_the_refiner_keeps_strips_and_capped_at_lower() -> None:
+    scores = [[0.95, 0.5], [0.9, 0.45], [0.3, 0.1], [0.28, 0.12], [0.6, 0.55]]
+    labels = [[True, False], [True, False], [True, False], [True, False], [False, False]]
+    # Counting strips one by one, 0.9 separates best (half the evidence kept, every other strip dropped). But the
+    # refiner passes a passage whole when none of its strips clears the threshold, so at 0.9 the last three
+    # passages are kept whole and only 2 of 6 other strips go; at 0.6, 3 of 6 go and all evidence stays.
+    assert strip_outcome(scores, labels, 0.9) == {"evidence_kept": 1.0, "other_dropped": pytest.approx(2 / 6)}
+    fitted = fit_strip_threshold(scores, labels)
+    assert fitted["strip_threshold"] == 0.6
+    assert fitted["evidence_kept"] == 1.0 and fitted["other_dropped"] == pytest.approx(3 / 6)
+    # A cap (the passage threshold lower) bounds it; the best threshold under the cap is chosen.
+    capped = fit_strip_threshold([[0.9, 0.1], [0.8, 0.7]], [[True, False], [True, False]], at_most=0.6)
+    assert capped["strip_threshold"] <= 0.6 and capped["other_dropped"] == 0.5
+    assert fit_strip_threshold([[0.9, 0.1], [0.8, 0.7]], [[True, False], [True, False]])["strip_threshold"] > 0.7
+
+
 def test_strips_are_labelled_by_the_answer_they_hold() -> None:
     batches = labelled_batches(SAMPLE_DIR, progress=False).batches
     strips = labelled_strips(SAMPLE_DIR, batches, 8)
