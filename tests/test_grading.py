@@ -99,6 +99,18 @@ def test_terms_keep_content_words_in_any_script() -> None:
     assert terms("東京の本社") == ["東京の本社"]
 
 
+def test_a_passage_read_sentence_by_sentence_has_the_words_of_the_whole_text() -> None:
+    from llama_index_crag.scorers.evidence import _passage
+
+    # The scorer tokenises each sentence once and joins them; on every sample document (prose, tables, code)
+    # that must give the same words and bigrams as tokenising the whole text.
+    for document in load_documents():
+        tokens = terms(document.text)
+        view = _passage(document.text)
+        assert view.words == frozenset(tokens), document.doc_id
+        assert view.bigrams == frozenset(zip(tokens, tokens[1:])), document.doc_id
+
+
 def test_evidence_features_see_coverage_and_answer_type() -> None:
     scorer = EvidenceScorer(corpus=[ALPHA.text, BETA.text, GAMMA.text])
     rows = scorer.features("When did the gamma office open?", [GAMMA.text, BETA.text])

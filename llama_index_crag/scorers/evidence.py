@@ -55,9 +55,15 @@ def _stem(word: str) -> str:
     return word
 
 
+@lru_cache(maxsize=200_000)
+def _term(word: str) -> str:
+    """The stem of a lower-cased word, or "" for a stopword (cached: the same words recur in every passage)."""
+    return "" if word in _STOPWORDS else _stem(word)
+
+
 def terms(text: str) -> List[str]:
     """Lower-cased, lightly stemmed content words (any script), stopwords removed."""
-    return [_stem(w) for w in (m.group(0).lower() for m in _WORD.finditer(text)) if w not in _STOPWORDS]
+    return [t for t in (_term(m.group(0).lower()) for m in _WORD.finditer(text)) if t]
 
 
 def _expected_type(question: str) -> Optional[re.Pattern[str]]:
@@ -274,12 +280,14 @@ class _Passage:
 
 @lru_cache(maxsize=50_000)
 def _passage(text: str) -> _Passage:
-    tokens = terms(text)
     split = [s for s in split_by_sentence_tokenizer()(text) if s.strip()] or [text]
+    per_sentence = [terms(s) for s in split]
+    # The sentences are consecutive slices of the text, so their words in order are the text's words.
+    tokens = [t for words in per_sentence for t in words]
     return _Passage(
         words=frozenset(tokens),
         bigrams=frozenset(zip(tokens, tokens[1:])),
-        sentences=tuple((s, frozenset(words), _acronyms(words)) for s, words in ((s, terms(s)) for s in split)),
+        sentences=tuple((s, frozenset(words), _acronyms(words)) for s, words in zip(split, per_sentence)),
         acronyms=_acronyms(tokens),
     )
 
