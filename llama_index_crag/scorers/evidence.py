@@ -175,12 +175,12 @@ class EvidenceScorer(RelevanceScorer):
         rows = []
         for text, cosine in zip(texts, cosines):
             view = _passage(text)
-            words = view.words | (expandable & view.acronyms) if expandable else view.words
+            words = view.words | (expandable & _acronyms(view.tokens)) if expandable else view.words
             coverage = sum(w for t, w in weight.items() if t in words) / total
             best_sentence, best = text, -1.0
-            for sentence, sentence_words, sentence_acronyms in view.sentences:
+            for sentence, sentence_words, sentence_tokens in view.sentences:
                 if expandable:
-                    sentence_words = sentence_words | (expandable & sentence_acronyms)
+                    sentence_words = sentence_words | (expandable & _acronyms(sentence_tokens))
                 found = sum(w for t, w in weight.items() if t in sentence_words) / total
                 if found > best:
                     best_sentence, best = sentence, found
@@ -218,7 +218,7 @@ class EvidenceScorer(RelevanceScorer):
         explanations = []
         for text, row in zip(texts, rows):
             view = _passage(text)
-            words = view.words | (expandable & view.acronyms)
+            words = view.words | (expandable & _acronyms(view.tokens)) if expandable else view.words
             contributions = row * self.weights[:-1]
             explanations.append(
                 {
@@ -274,8 +274,8 @@ class _Passage:
 
     words: FrozenSet[str]
     bigrams: FrozenSet[Tuple[str, str]]
-    sentences: Tuple[Tuple[str, FrozenSet[str], FrozenSet[str]], ...]
-    acronyms: FrozenSet[str]
+    sentences: Tuple[Tuple[str, FrozenSet[str], Tuple[str, ...]], ...]
+    tokens: Tuple[str, ...]
 
 
 @lru_cache(maxsize=50_000)
@@ -287,12 +287,13 @@ def _passage(text: str) -> _Passage:
     return _Passage(
         words=frozenset(tokens),
         bigrams=frozenset(zip(tokens, tokens[1:])),
-        sentences=tuple((s, frozenset(words), _acronyms(words)) for s, words in zip(split, per_sentence)),
-        acronyms=_acronyms(tokens),
+        sentences=tuple((s, frozenset(words), tuple(words)) for s, words in zip(split, per_sentence)),
+        tokens=tuple(tokens),
     )
 
 
-def _acronyms(tokens: Sequence[str]) -> FrozenSet[str]:
+@lru_cache(maxsize=4096)
+def _acronyms(tokens: Tuple[str, ...]) -> FrozenSet[str]:
     """The initials of every run of 2 to 5 consecutive content words ("chief executive officer" gives "ceo")."""
     initials = "".join(t[0] for t in tokens)
     return frozenset(initials[i : i + n] for n in range(2, 6) for i in range(len(initials) - n + 1))
