@@ -101,6 +101,12 @@ def _unit(vector: Sequence[float]) -> np.ndarray:
     return array / norm if norm > 0 else array
 
 
+def bi_encoder_of(scorer: RelevanceScorer) -> Optional[BiEncoderScorer]:
+    """The bi-encoder a scorer embeds with: itself, or the one inside it (the evidence scorer's); else None."""
+    found = scorer if isinstance(scorer, BiEncoderScorer) else getattr(scorer, "bi_encoder", None)
+    return found if isinstance(found, BiEncoderScorer) else None
+
+
 def reuse_retrieval_embeddings(
     scorer: RelevanceScorer, retriever: Any, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]
 ) -> int:
@@ -113,9 +119,9 @@ def reuse_retrieval_embeddings(
     embedded, so a postprocessor that rewrites a node later gets no stale vector.
     Returns how many passage embeddings were reused.
     """
-    bi_encoder = scorer if isinstance(scorer, BiEncoderScorer) else getattr(scorer, "bi_encoder", None)
+    bi_encoder = bi_encoder_of(scorer)
     embed_model = getattr(retriever, "_embed_model", None)
-    if not isinstance(bi_encoder, BiEncoderScorer) or not isinstance(embed_model, BaseEmbedding):
+    if bi_encoder is None or not isinstance(embed_model, BaseEmbedding):
         return 0
     if embed_model.model_name != bi_encoder.embed_model.model_name:
         return 0
