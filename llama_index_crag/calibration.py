@@ -18,7 +18,7 @@ from tqdm import tqdm
 from llama_index_crag.datasets import Question, load_documents, load_questions, normalise_text, read_jsonl
 from llama_index_crag.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 from llama_index_crag.scorers.base import RelevanceScorer
-from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
+from llama_index_crag.scorers.bi_encoder import bi_encoder_of
 from llama_index_crag.settings import CALIBRATION_VERSION
 
 IN_CORPUS = "in-corpus"
@@ -59,8 +59,8 @@ class LabelledSet:
 
     def prime(self, scorer: RelevanceScorer) -> None:
         """Give a bi-encoder-based scorer the embeddings retrieval already computed, as an index would."""
-        bi_encoder = scorer if isinstance(scorer, BiEncoderScorer) else getattr(scorer, "bi_encoder", None)
-        if isinstance(bi_encoder, BiEncoderScorer):
+        bi_encoder = bi_encoder_of(scorer)
+        if bi_encoder is not None:
             bi_encoder.remember(self.corpus, self.corpus_vectors)
             bi_encoder.remember_queries(self.questions, self.question_vectors)
 
@@ -317,22 +317,20 @@ def fit_strip_threshold(
     Returns it with the share of evidence strips it keeps and of other strips it
     drops on these rows.
     """
-    flat = np.asarray([s for row in scores for s in row], dtype=np.float64)
-    truth = np.asarray([lab for row in labels for lab in row], dtype=bool)
+    flat, passage_best, truth = _flat_strips(scores, labels)
     if truth.all() or not truth.any():
         raise ValueError("fitting the strip threshold needs both evidence and other strips")
-    passage_best = np.asarray([max(row) for row in scores for _ in row], dtype=np.float64)
     candidates = np.unique(flat)
     if at_most is not None:
         candidates = np.unique(np.append(candidates[candidates <= at_most], at_most))
     best, best_j = float(candidates[0]), -np.inf
     for start in range(0, len(candidates), 256):
-        block = candidates[start : start + 256, None]
-        kept = (flat[None, :] >= block) | (block > passage_best[None, :])
+        block = candidates[start : start + 256]
+        kept = _kept(flat, passage_best, block)
         j = kept[:, truth].mean(axis=1) - kept[:, ~truth].mean(axis=1)
         i = int(np.argmax(j))
         if j[i] > best_j:
-            best, best_j = float(block[i, 0]), float(j[i])
+            best, best_j = float(block[i]), float(j[i])
     return {"strip_threshold": round(best, 6), **strip_outcome(scores, labels, best), "passages": len(scores)}
 
 
@@ -341,19 +339,26 @@ def strip_counts(
 ) -> Tuple[int, int, int, int]:
     """Evidence strips kept, evidence strips, other strips dropped, other strips, at ``threshold`` as
     ``StripRefiner`` applies it (a passage where no strip clears the threshold is passed on whole)."""
-    kept_evidence = total_evidence = dropped_other = total_other = 0
-    for row_scores, row_labels in zip(scores, labels):
-        kept = [s >= threshold for s in row_scores]
-        if not any(kept):
-            kept = [True] * len(kept)
-        for keep, is_evidence in zip(kept, row_labels):
-            if is_evidence:
-                total_evidence += 1
-                kept_evidence += keep
-            else:
-                total_other += 1
-                dropped_other += not keep
-    return kept_evidence, total_evidence, dropped_other, total_other
+    flat, passage_best, truth = _flat_strips(scores, labels)
+    kept = _kept(flat, passage_best, np.asarray([threshold], dtype=np.float64))[0]
+    return int(kept[truth].sum()), int(truth.sum()), int((~kept[~truth]).sum()), int((~truth).sum())
+
+
+def _flat_strips(
+    scores: Sequence[Sequence[float]], labels: Sequence[Sequence[bool]]
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every strip's score, the best score of its passage, and whether it is evidence, as flat arrays."""
+    flat = np.asarray([s for row in scores for s in row], dtype=np.float64)
+    passage_best = np.asarray([max(row) for row in scores for _ in row], dtype=np.float64)
+    truth = np.asarray([lab for row in labels for lab in row], dtype=bool)
+    return flat, passage_best, truth
+
+
+def _kept(flat: np.ndarray, passage_best: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """Which strips ``StripRefiner`` keeps at each threshold (one row a threshold): those that clear it, and
+    every strip of a passage where none does (the passage is passed on whole)."""
+    bar = thresholds[:, None]
+    return (flat[None, :] >= bar) | (bar > passage_best[None, :])
 
 
 def strip_outcome(
