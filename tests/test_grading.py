@@ -10,7 +10,7 @@ from typing import Any, List
 import numpy as np
 import pytest
 
-from llama_index_crag.calibration import (
+from llama_index_crag.calibration.fit import (
     fit_strip_threshold,
     fit_thresholds,
     labelled_batches,
@@ -266,7 +266,7 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
     assert (tmp_path / "r" / "grade-report.png").stat().st_size > 10_000
     assert "| evidence:all-MiniLM-L6-v2 | out-of-corpus |" in capsys.readouterr().out
     with pytest.raises(ValueError, match="calibrate on a split"):
-        from llama_index_crag.grade_report import run_report
+        from llama_index_crag.calibration.report import run_report
 
         run_report(
             SAMPLE_DIR,
@@ -284,7 +284,7 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
 
 
 def test_the_accuracy_ceiling_is_the_best_single_threshold() -> None:
-    from llama_index_crag.grade_report import accuracy_ceiling
+    from llama_index_crag.calibration.report import accuracy_ceiling
 
     scores = np.asarray([0.9, 0.8, 0.7, 0.7, 0.4, 0.2])
     answerable = np.asarray([True, False, True, False, True, False])

@@ -14,7 +14,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.llms.ollama import Ollama
 
 from llama_index_crag import CorrectiveQueryEngine, RewrittenQuery
-from llama_index_crag.models import bundled_embedding_path
+from llama_index_crag.bundled import bundled_embedding_path
 from llama_index_crag.rewrite import DEFAULT_REWRITE_PROMPT
 from llama_index_crag.scorers import CrossEncoderScorer, UpstreamScoreScorer
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from llama_index_crag.calibration import IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE
+from llama_index_crag.calibration.fit import IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE
+from llama_index_crag.calibration.synthetic import WH_WORDS, load_spacy, synthetic_batches, synthetic_questions
 from llama_index_crag.cli import main
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents
-from llama_index_crag.synthetic import WH_WORDS, load_spacy, synthetic_batches, synthetic_questions
 
 from .conftest import assert_engine_loads_calibration
 

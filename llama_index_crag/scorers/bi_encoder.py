@@ -35,7 +35,8 @@ class BiEncoderScorer(RelevanceScorer):
     BUNDLED_THRESHOLDS = {"upper": 0.55, "lower": 0.30}
 
     def __init__(self, embed_model: Optional[BaseEmbedding] = None, cache_size: int = 50_000) -> None:
-        from llama_index_crag.models import bundled_embedding_path, default_embed_model
+        from llama_index_crag.bundled import bundled_embedding_path
+        from llama_index_crag.models import default_embed_model
 
         self.embed_model = embed_model or default_embed_model()
         self.default_thresholds: Optional[Dict[str, float]] = None

@@ -31,7 +31,7 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
-from llama_index_crag.calibration import (
+from llama_index_crag.calibration.fit import (
     IN_CORPUS,
     OUT_OF_CORPUS,
     UNANSWERABLE,

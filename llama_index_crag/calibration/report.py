@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from llama_index_crag.calibration import (
+from llama_index_crag.calibration.fit import (
     IN_CORPUS,
     OUT_OF_CORPUS,
     UNANSWERABLE,
@@ -32,7 +32,7 @@ KINDS = (IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE)
 
 
 def build_scorer(name: str, corpus: Sequence[str], llm: Any = None) -> RelevanceScorer:
-    """A scorer by its command-line name: evidence, bi-encoder, llm-judge, cross-encoder:MODEL, flag:MODEL."""
+    """A scorer by its CLI name: evidence, bi-encoder, llm-judge, cross-encoder:MODEL, flag:MODEL."""
     from llama_index_crag.scorers import BiEncoderScorer, CrossEncoderScorer, LLMJudgeScorer
 
     if name == "evidence":
@@ -49,7 +49,9 @@ def build_scorer(name: str, corpus: Sequence[str], llm: Any = None) -> Relevance
         return CrossEncoderScorer(name.split(":", 1)[1])
     if name.startswith("flag:"):
         return CrossEncoderScorer(name.split(":", 1)[1], backend="flagembedding")
-    raise ValueError(f"unknown scorer {name!r}: use evidence, bi-encoder, llm-judge, cross-encoder:MODEL or flag:MODEL")
+    raise ValueError(
+        f"unknown scorer {name!r}: use evidence, bi-encoder, llm-judge, cross-encoder:MODEL or flag:MODEL"
+    )
 
 
 @dataclass
@@ -422,7 +424,7 @@ def run_calibration(
     ``synthetic.py``) and the dataset's own questions are not read.
     """
     if synthetic is not None:
-        from llama_index_crag.synthetic import synthetic_batches
+        from llama_index_crag.calibration.synthetic import synthetic_batches
 
         labelled = synthetic_batches(dataset, count=synthetic, k=k, progress=progress)
     else:

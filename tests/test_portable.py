@@ -1,0 +1,168 @@
+"""The local generator on any x86-64 CPU: a portable llama.cpp build, a child-process check, and the doctor."""
+
+from __future__ import annotations
+
+import json
+import re
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from llama_index_crag.cli import NOT_GENERATED, main
+from llama_index_crag.models import default_llm
+from llama_index_crag.portable import (
+    FAIL,
+    NON_PORTABLE_FEATURES,
+    OK,
+    PORTABLE_CMAKE_ARGS,
+    GeneratorUnavailable,
+    check_generation,
+    llama_cpp_features,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Note(BaseModel):
+    """A free-text field: where a small model is most tempted to write a raw newline."""
+
+    title: str
+    body: str
+
+
+def test_the_makefile_builds_llama_cpp_portably_and_bypasses_the_wheel_cache() -> None:
+    plan = subprocess.run(
+        ["make", "-n", "portable-llama-cpp", "WHEELHOUSE=/nonexistent/wheelhouse"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert f'CMAKE_ARGS="{PORTABLE_CMAKE_ARGS}"' in plan
+    assert "-DGGML_NATIVE=OFF" in PORTABLE_CMAKE_ARGS and "-DGGML_AVX2=ON" in PORTABLE_CMAKE_ARGS
+    assert all(f"-DGGML_{flag}=OFF" in PORTABLE_CMAKE_ARGS for flag in ("AVX512", "AMX_TILE", "AMX_INT8"))
+    assert re.search(r"pip wheel .*--no-cache-dir --no-binary llama-cpp-python", plan)
+
+
+def test_the_installed_llama_cpp_has_no_cpu_specific_kernels_compiled_in() -> None:
+    features = llama_cpp_features()
+    assert "AVX2" in features and "FMA" in features
+    assert not [f for f in features if f.startswith(NON_PORTABLE_FEATURES)], features
+
+
+def _fake_python(tmp_path: Path, body: str) -> str:
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+def test_a_generator_that_dies_with_sigill_is_named_with_the_portable_rebuild(tmp_path: Path) -> None:
+    check = check_generation(python=_fake_python(tmp_path, "kill -ILL $$"))
+    assert check.status == FAIL
+    assert "Illegal instruction" in check.detail
+    assert "make portable-llama-cpp" in check.fix and PORTABLE_CMAKE_ARGS in check.fix
+
+
+def test_a_generator_that_hangs_fails_within_its_timeout(tmp_path: Path) -> None:
+    check = check_generation(python=_fake_python(tmp_path, "sleep 30"), timeout_s=1)
+    assert check.status == FAIL and "within 1 s" in check.detail
+
+
+def test_a_file_that_is_not_a_model_fails_the_check_and_default_llm(tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"not a gguf file" * 100)
+    check = check_generation(bogus)
+    assert check.status == FAIL and "bogus.gguf failed to load" in check.detail
+    with pytest.raises(GeneratorUnavailable, match="bogus.gguf"):
+        default_llm(ollama_url="http://127.0.0.1:9", gguf=str(bogus))
+
+
+def test_the_demo_without_a_generator_still_shows_every_grade_and_decision(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"\0" * 64)
+    assert main(["demo", "--limit", "3", "--gguf", str(bogus), "--ollama-url", "http://127.0.0.1:9"]) == 0
+    out = capsys.readouterr().out
+    assert "Generator: none." in out and "bogus.gguf failed to load" in out
+    assert out.count("action: ") == 3
+    answered = [line for line in out.splitlines() if line.strip().startswith("answer: ")]
+    assert len(answered) == 3
+    assert all(NOT_GENERATED in line or "I don't know" in line for line in answered)
+
+
+@pytest.mark.slow
+def test_the_bundled_generator_runs_in_a_child_process() -> None:
+    check = check_generation()
+    assert check.status == OK, check
+    assert re.search(r"generates \d+ tokens/s", check.detail)
+
+
+@pytest.mark.slow
+def test_doctor_checks_every_part_and_says_what_to_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--json", "--ollama-url", "http://127.0.0.1:9"]) == 0
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert set(checks) == {
+        "torch",
+        "embedding model",
+        "Ollama",
+        "llama.cpp build",
+        "generator (llama.cpp)",
+        "spaCy pipeline",
+    }
+    assert checks["embedding model"]["status"] == OK and "384 dimensions" in checks["embedding model"]["detail"]
+    assert checks["Ollama"]["status"] == "warn" and "ollama pull" in checks["Ollama"]["fix"]
+    assert checks["llama.cpp build"]["status"] == OK and "(portable)" in checks["llama.cpp build"]["detail"]
+    assert checks["generator (llama.cpp)"]["status"] == OK
+    assert all(c["seconds"] >= 0 for c in checks.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(6))
+def test_schema_bound_json_from_the_bundled_model_always_parses(seed: int) -> None:
+    from llama_cpp import Llama
+
+    from llama_index_crag.bundled import bundled_gguf_path
+    from llama_index_crag.llamacpp import chatml_completion_to_prompt, json_grammar
+
+    llm = _model(Llama, str(bundled_gguf_path()))
+    out = llm(
+        chatml_completion_to_prompt("Write a note with a title and a body of three short paragraphs as JSON."),
+        grammar=json_grammar(Note.model_json_schema()),
+        max_tokens=160,
+        temperature=1.2,
+        seed=seed,
+    )["choices"][0]["text"]
+    # Raw control characters may only stand between tokens, never inside a string (escaped ones are fine).
+    inside = re.findall(r'"((?:[^"\\]|\\.)*)"', out)
+    assert inside and not [s for s in inside if re.search(r"[\x00-\x1f]", s)], out
+    if out.rstrip().endswith("}"):  # a complete object (max_tokens may cut it): pydantic must accept it
+        Note.model_validate_json(out)
+
+
+_MODELS: dict = {}
+
+
+def _model(cls: type, path: str) -> object:
+    if path not in _MODELS:
+        _MODELS[path] = cls(model_path=path, n_ctx=512, n_threads=2, verbose=False)
+    return _MODELS[path]
+
+
+def test_the_json_grammar_keeps_raw_control_characters_out_of_strings() -> None:
+    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+    from llama_index_crag.llamacpp import _GRAMMAR_CHAR, _JSON_CHAR, json_grammar
+
+    # llama.cpp's plain JSON grammar already keeps them out; its schema grammars do not.
+    assert _JSON_CHAR in JSON_GBNF and not _GRAMMAR_CHAR.search(JSON_GBNF)
+    schema_rules = json_schema_to_gbnf(json.dumps(Note.model_json_schema()))
+    assert _GRAMMAR_CHAR.search(schema_rules), "llama.cpp's string rule changed: re-check json_grammar"
+    fixed = _GRAMMAR_CHAR.sub(lambda _: _JSON_CHAR, schema_rules)
+    assert not _GRAMMAR_CHAR.search(fixed) and _JSON_CHAR in fixed
+    json_grammar(Note.model_json_schema())  # both compile in llama.cpp
+    json_grammar()
