@@ -131,14 +131,37 @@ def test_a_passage_that_stands_out_from_the_other_candidates_scores_higher() -> 
     coverage = rows[:, FEATURES.index("coverage")]
     assert rows[0, FEATURES.index("coverage_lift")] == pytest.approx(coverage[0] - coverage[1:].mean())
     assert (rows[0, lifts] > 0).all() and (rows[1:, lifts] < 0).all()
-    # Alone, a passage has no lead; among unrelated candidates it scores higher than alone.
-    assert not scorer.features(question, [GAMMA.text])[0, lifts].any()
-    alone = scorer.score_texts(question, [GAMMA.text])[0]
+    # Alone, a passage leads the typical rival instead; among unrelated candidates it stands out.
+    alone_rows = scorer.features(question, [GAMMA.text])
+    own = [FEATURES.index(f) for f in ("cosine", "coverage", "sentence_coverage")]
+    assert alone_rows[0, lifts] == pytest.approx(alone_rows[0, own] - scorer.rival_means)
     among = scorer.score_texts(question, [GAMMA.text, BETA.text, ALPHA.text])
-    assert among[0] > alone and among[0] > max(among[1:])
+    assert among[0] > max(among[1:])
     # A duplicate of the relevant passage does not cancel its twin: both still lead the rest.
     twins = scorer.score_texts(question, [GAMMA.text, GAMMA.text, BETA.text, ALPHA.text])
     assert twins[0] == twins[1] > max(twins[2:]) and twins[0] >= scorer.DEFAULT_THRESHOLDS["upper"]
+
+
+VELL = "The Ostmoor creamery ages Vell Blue for nine weeks."
+FERRY = "The harbour ferry leaves at noon every Tuesday from the north pier."
+
+
+def test_a_lone_candidate_is_not_punished_for_having_no_rivals() -> None:
+    question = "How long is Vell Blue aged?"
+    scorer = EvidenceScorer(corpus=[VELL])  # a one-document index
+    alone = scorer.score_texts(question, [VELL])[0]
+    assert alone >= scorer.DEFAULT_THRESHOLDS["lower"]
+    with_rival = EvidenceScorer(corpus=[VELL, FERRY]).score_texts(question, [VELL, FERRY])[0]
+    assert abs(with_rival - alone) < 0.35
+    # The same lone passage without the answer's words stays far below it.
+    assert scorer.score_texts(question, [FERRY])[0] < 0.1
+
+
+def test_inflections_of_a_word_match_each_other() -> None:
+    assert terms("aged") == terms("ages") == terms("ageing") == terms("age")
+    assert terms("priced") == terms("prices")
+    missing = EvidenceScorer(corpus=[VELL, FERRY]).explain("How long is Vell Blue aged?", [VELL])[0]["missing_terms"]
+    assert missing == terms("long")
 
 
 def test_the_evidence_scorer_explains_each_score_by_its_parts() -> None:
@@ -157,7 +180,9 @@ def test_the_evidence_scorer_explains_each_score_by_its_parts() -> None:
         assert list(explanation["features"].values()) == pytest.approx(list(row), abs=1e-4)
     # What the passage lacks, rarest first: Porto's passage lacks "lisbon"; the menu lacks nearly everything.
     assert explained[0]["missing_terms"] == ["lisbon"]
-    assert explained[1]["missing_terms"][0] == "lisbon" and {"gamma", "office"} <= set(explained[1]["missing_terms"])
+    assert explained[1]["missing_terms"][0] == "lisbon" and set(terms("gamma office")) <= set(
+        explained[1]["missing_terms"]
+    )
     assert scorer.explain(question, []) == []
     # A scorer built on one model logit has nothing more to say.
     assert LLMJudgeScorer(ScriptedLLM()).explain(question, texts) is None

@@ -12,6 +12,7 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequ
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer
+from nltk.stem.porter import PorterStemmer
 from numpy.typing import ArrayLike
 
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
@@ -48,21 +49,17 @@ _NUMBER = re.compile(r"\d")
 _PROPER = re.compile(r"(?<![.!?]\s)(?<!^)\b[A-Z][a-z]+")
 
 
-def _stem(word: str) -> str:
-    for suffix in ("ingly", "edly", "ing", "ies", "ied", "ed", "es", "s", "ly"):
-        if len(word) > len(suffix) + 3 and word.endswith(suffix):
-            return word[: -len(suffix)]
-    return word
+_STEMMER = PorterStemmer()
 
 
 @lru_cache(maxsize=200_000)
 def _term(word: str) -> str:
     """The stem of a lower-cased word, or "" for a stopword (cached: the same words recur in every passage)."""
-    return "" if word in _STOPWORDS else _stem(word)
+    return "" if word in _STOPWORDS else _STEMMER.stem(word)
 
 
 def terms(text: str) -> List[str]:
-    """Lower-cased, lightly stemmed content words (any script), stopwords removed."""
+    """Lower-cased, Porter-stemmed content words (any script), stopwords removed: "ages" and "aged" match."""
     return [t for t in (_term(m.group(0).lower()) for m in _WORD.finditer(text)) if t]
 
 
@@ -104,23 +101,27 @@ class EvidenceScorer(RelevanceScorer):
     """
 
     normalization = "logistic-model probability over nine evidence features"
+    feature_names: Tuple[str, ...] = FEATURES
     #: Fitted by ``llama-crag calibrate --dataset squad2`` (all 266 questions); calibrate on your data.
     DEFAULT_WEIGHTS = (
-        4.439951,
-        1.700781,
-        1.968617,
-        0.750274,
-        -1.092191,
-        0.387565,
-        4.153946,
-        1.727615,
-        1.958951,
-        -5.628536,
+        4.559161,
+        1.587773,
+        1.711252,
+        0.686257,
+        -1.06549,
+        0.556931,
+        4.205201,
+        1.773114,
+        1.948573,
+        -5.717693,
     )
     #: Read off these weights' scores on the bundled sample corpus (out-of-corpus batches mostly
     #: below 0.45, most answerable ones above 0.8); the strip threshold was fitted on SQuAD 2.0's
     #: answer-bearing strips (``llama-crag calibrate``). Calibrate on your own data.
     DEFAULT_THRESHOLDS = {"upper": 0.8, "lower": 0.45, "strip_threshold": 0.33}
+    #: What a typical non-answering candidate's cosine, coverage and best-sentence coverage are (fitted with
+    #: the weights): a lone candidate's lead is measured against it.
+    DEFAULT_RIVAL_MEANS = (0.371362, 0.232039, 0.207204)
 
     def __init__(
         self,
@@ -131,11 +132,13 @@ class EvidenceScorer(RelevanceScorer):
         self.bi_encoder = BiEncoderScorer(embed_model)
         self.name = self.bi_encoder.name.replace("bi-encoder:", "evidence:", 1)
         self.weights = np.asarray(weights if weights is not None else self.DEFAULT_WEIGHTS, dtype=np.float64)
-        if self.weights.shape != (len(FEATURES) + 1,):
-            raise ValueError(f"EvidenceScorer needs {len(FEATURES) + 1} weights ({', '.join(FEATURES)}, bias)")
+        names = self.feature_names
+        if self.weights.shape != (len(names) + 1,):
+            raise ValueError(f"{type(self).__name__} needs {len(names) + 1} weights ({', '.join(names)}, bias)")
         self.default_thresholds: Optional[Dict[str, float]] = (
             dict(self.DEFAULT_THRESHOLDS) if self.bi_encoder.default_thresholds is not None else None
         )
+        self.rival_means = np.asarray(self.DEFAULT_RIVAL_MEANS, dtype=np.float64)
         self._idf: Dict[str, float] = {}
         self._unseen_idf = 1.0
         self._rare_idf = math.inf
@@ -192,7 +195,7 @@ class EvidenceScorer(RelevanceScorer):
                 answer_type = 1.0 if _has_new(expected, best_sentence, query) else 0.0
             rows.append([cosine, coverage, max(best, 0.0), rare_cov, bigrams, answer_type])
         own = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(FEATURES) - len(_LIFTED))
-        return np.hstack([own, _lift(own[:, _LIFTED])])
+        return np.hstack([own, _lift(own[:, _LIFTED], self.rival_means)])
 
     def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
         if not texts:
@@ -223,8 +226,8 @@ class EvidenceScorer(RelevanceScorer):
             explanations.append(
                 {
                     "score": round(sigmoid(float(contributions.sum() + self.weights[-1])), 4),
-                    "features": {name: round(float(v), 4) for name, v in zip(FEATURES, row)},
-                    "contributions": {name: round(float(v), 4) for name, v in zip(FEATURES, contributions)},
+                    "features": {name: round(float(v), 4) for name, v in zip(self.feature_names, row)},
+                    "contributions": {name: round(float(v), 4) for name, v in zip(self.feature_names, contributions)},
                     "bias": round(float(self.weights[-1]), 4),
                     "missing_terms": [t for t in rarest_first if t not in words],
                 }
@@ -232,39 +235,58 @@ class EvidenceScorer(RelevanceScorer):
         return explanations
 
     def fit(self, features: np.ndarray, labels: ArrayLike) -> EvidenceScorer:
-        """Learn the weights from labelled (query, passage) features (relevant = True)."""
-        from sklearn.linear_model import LogisticRegression
-
+        """Learn the weights from labelled (query, passage) features (relevant = True), and the typical rival."""
         y = np.asarray(labels, dtype=bool)
-        if y.all() or not y.any():
-            raise ValueError("fitting the evidence scorer needs both relevant and irrelevant pairs")
-        model = LogisticRegression(C=1.0, max_iter=2000, class_weight="balanced").fit(features, y)
-        self.weights = np.concatenate([model.coef_[0], model.intercept_])
+        self.weights = fit_logistic(features, y)
+        if (~y).any():
+            self.rival_means = features[~y][:, _LIFTED].mean(axis=0)
         return self
 
     def state(self) -> Dict[str, Any]:
         """The learned part, for the calibration file."""
-        return {"features": list(FEATURES), "weights": [round(float(w), 6) for w in self.weights]}
+        return {
+            "features": list(self.feature_names),
+            "weights": [round(float(w), 6) for w in self.weights],
+            "rival_means": [round(float(v), 6) for v in self.rival_means],
+        }
 
     def load_state(self, state: Mapping[str, Any]) -> EvidenceScorer:
         """Load weights written by ``state`` (refusing a different feature set)."""
-        if list(state.get("features", [])) != list(FEATURES):
-            raise ValueError(f"calibration weights are for features {state.get('features')}, not {list(FEATURES)}")
+        if list(state.get("features", [])) != list(self.feature_names):
+            raise ValueError(
+                f"calibration weights are for features {state.get('features')}, not {list(self.feature_names)}"
+            )
         self.weights = np.asarray(state["weights"], dtype=np.float64)
+        if "rival_means" in state:
+            self.rival_means = np.asarray(state["rival_means"], dtype=np.float64)
         return self
 
 
-def _lift(values: np.ndarray) -> np.ndarray:
-    """Each row's lead over the mean of the other rows (zero for a lone candidate).
+def fit_logistic(features: np.ndarray, labels: ArrayLike) -> np.ndarray:
+    """Class-balanced logistic regression: one weight per feature column, then the bias."""
+    from sklearn.linear_model import LogisticRegression
+
+    y = np.asarray(labels, dtype=bool)
+    if y.all() or not y.any():
+        raise ValueError("fitting a scorer's weights needs both relevant and irrelevant pairs")
+    model = LogisticRegression(C=1.0, max_iter=2000, class_weight="balanced").fit(features, y)
+    return np.concatenate([model.coef_[0], model.intercept_])
+
+
+def _lift(values: np.ndarray, rivals: np.ndarray) -> np.ndarray:
+    """Each row's lead over the mean of the other rows; a lone candidate's lead over ``rivals``.
 
     The passage that holds the answer stands out from the rest of what retrieval
     found; when the answer is not in the index, the best candidate is just one of
     several on-topic look-alikes. The mean (not the max) of the others keeps a
-    duplicated relevant passage from cancelling its twin out.
+    duplicated relevant passage from cancelling its twin out. A candidate with no
+    rivals (``similarity_top_k=1``, a one-document index, a narrow filter) is compared
+    with what a typical rival looks like instead (the mean of the non-answering
+    candidates seen in calibration), not punished for standing alone.
     """
     n = len(values)
     if n < 2:
-        return np.zeros_like(values)
+        return values - rivals
     return values - (values.sum(axis=0, keepdims=True) - values) / (n - 1)
 
 
