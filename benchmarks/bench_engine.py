@@ -54,6 +54,14 @@ TOP_K = 5
 RERANK_TOP_K = 10
 
 
+def _calibrated(build: Any, scorer: Any, path: str) -> CorrectiveQueryEngine:
+    """An engine with ``scorer`` whose weights, cascade and thresholds come from a calibration file."""
+    data = json.loads(Path(path).read_text())
+    scorer.load_state(data["scorer_state"])
+    thresholds = {k: data["thresholds"][k] for k in ("upper", "lower", "strip_threshold") if k in data["thresholds"]}
+    return build(True, scorer, thresholds=thresholds)
+
+
 class FixedLLM(CustomLLM):
     """Answers every prompt with a fixed text at once, and rewrites a query by appending a fixed word."""
 
@@ -173,6 +181,9 @@ def markdown(results: Dict[str, Any]) -> str:
     lines += [
         f"- {path}: CRAG off {v['off']:.1f}, on {v['on']:.1f}" for path, v in results["allocation_peak_mib"].items()
     ]
+    if results.get("reader_cascade"):
+        c = results["reader_cascade"]
+        lines += ["", f"Reader cascade: {c['reached_the_reader']:.1%} of {c['batches']} graded batches ran the reader."]
     return "\n".join(lines) + "\n"
 
 
@@ -184,6 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample")
     parser.add_argument("--cache-dir", default=".crag-cache", help="where corpus embeddings are cached")
     parser.add_argument("--out", default="eval-out/bench_engine", help="folder for bench_engine.json and .md")
+    parser.add_argument("--grader", default=None, help="also measure the reader cascade of this grader directory")
+    parser.add_argument("--grader-calibration", default=None, help="its calibration (calibrate --scorer reader:DIR)")
     args = parser.parse_args(argv)
 
     judge_llm, described = default_llm()
@@ -232,12 +245,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ),
         ),
     }
+    reader = None
+    if args.grader:
+        from llama_index_crag.scorers.reader import ReaderScorer
+
+        reader = ReaderScorer(args.grader, corpus=texts)
+        configurations["reader cascade"] = (
+            off,
+            _calibrated(engine, reader, args.grader_calibration) if args.grader_calibration else engine(True, reader),
+        )
     for off, on in configurations.values():  # lazy loads (sentence splitter, caches) outside the measurement
         for question in warm_up:
             off.query(question)
             on.query(question)
+    if reader is not None:
+        reader.reader_runs = reader.settled = 0
     pairs = {name: compare(off, on, sample, name) for name, (off, on) in configurations.items()}
     rss["CRAG off and on runs"] = peak_rss_mb()
+    reader_share = None
+    if reader is not None:
+        graded = reader.reader_runs + reader.settled
+        reader_share = {"batches": graded, "reached_the_reader": round(reader.reader_runs / max(1, graded), 4)}
 
     judge = LLMJudgeQueryEngine(
         retriever=corpus.retriever(TOP_K),
@@ -246,9 +274,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         response_synthesizer=synthesizer,
         abstain_text=CragSettings.model_fields["abstain_text"].default,
     )
-    judge.query(warm_up[0])
-    pairs["LLM judge (SmolLM2, 1 call per chunk)"] = compare(off, judge, sample[: args.judge_queries], "llm-judge")
-    rss["LLM-judge runs"] = peak_rss_mb()
+    if args.judge_queries:
+        judge.query(warm_up[0])
+        pairs["LLM judge (SmolLM2, 1 call per chunk)"] = compare(off, judge, sample[: args.judge_queries], "llm-judge")
+        rss["LLM-judge runs"] = peak_rss_mb()
 
     results = {
         "command": "OMP_NUM_THREADS=1 python benchmarks/bench_engine.py "
@@ -260,6 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "seed": args.seed,
         "configurations": {name: summarize(p) for name, p in pairs.items()},
         "peak_rss_mb": rss,
+        "reader_cascade": reader_share,
         "allocation_peak_mib": allocation_peaks(*configurations["bi-encoder"], pairs["bi-encoder"], per_path=5),
         "pairs": pairs,
     }

@@ -160,7 +160,8 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         store), the rewritten query goes back through the primary retriever.
 
         ``scorer`` defaults to the offline ``EvidenceScorer`` (bundled MiniLM plus lexical
-        and answer-type evidence, IDF from the same nodes). Any keyword
+        and answer-type evidence, IDF from the same nodes), or to a ``ReaderScorer`` over
+        the grader directory in ``CRAG_GRADER`` (``llama-crag train-grader``). Any keyword
         of ``CragSettings`` (``upper``, ``lower``, ``max_rewrites``, ``enabled`` ...)
         may be passed; it wins over ``CRAG_*`` variables and the calibration file.
         """
@@ -171,10 +172,15 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         if nodes is None and index is not None:
             nodes = list(index.docstore.docs.values())
         if scorer is None:
-            from llama_index_crag.scorers.evidence import EvidenceScorer
-
             corpus = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes or []]
-            scorer = EvidenceScorer(embed_model, corpus=corpus or None)
+            if os.environ.get("CRAG_GRADER"):
+                from llama_index_crag.scorers.reader import ReaderScorer
+
+                scorer = ReaderScorer(os.environ["CRAG_GRADER"], embed_model, corpus=corpus or None)
+            else:
+                from llama_index_crag.scorers.evidence import EvidenceScorer
+
+                scorer = EvidenceScorer(embed_model, corpus=corpus or None)
         calibration_path = calibration_path or os.environ.get("CRAG_CALIBRATION")
         load_state = getattr(scorer, "load_state", None)
         if calibration_path and load_state is not None:
@@ -343,6 +349,9 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 _bind(self._refiner.arefine, query_bundle, candidates),
             )
         trace.strips_kept, trace.strips_dropped = refinement.kept, refinement.dropped
+        if refinement.used_original and self.settings.on_no_strips == "incorrect":
+            trace.no_strips = True
+            return (yield from self._correct(query_bundle, trace))
         context = list(refinement.nodes)
         if self.settings.hybrid and self._fallback is not None:
             deadline = time.monotonic() + self.settings.correction_timeout_s

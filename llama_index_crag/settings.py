@@ -41,6 +41,11 @@ class CragSettings(BaseModel):
         default=8, ge=1, description="Shortest knowledge strip, in words; shorter ones are merged."
     )
     hybrid: bool = Field(default=False, description="On AMBIGUOUS, add fallback results to the refined strips.")
+    on_no_strips: Literal["original", "incorrect"] = Field(
+        default="original",
+        description="On AMBIGUOUS when no strip clears the strip threshold: generate from the original candidates "
+        "(the seed design), or treat retrieval as INCORRECT (rewrite, fall back, or abstain).",
+    )
     explain: bool = Field(
         default=False,
         description="Put each candidate's explanation (features, contributions, missing query words) in the trace.",

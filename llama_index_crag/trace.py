@@ -87,6 +87,7 @@ class CragTrace:
     top_score: Optional[float] = None
     strips_kept: int = 0
     strips_dropped: int = 0
+    no_strips: bool = False
     rewritten_query: Optional[str] = None
     rewrites: int = 0
     rewrite_error: Optional[str] = None

@@ -96,6 +96,27 @@ def test_ambiguous_branch_falls_back_to_original_ranking_when_no_strip_survives(
     assert not trace["abstained"]
 
 
+def test_ambiguous_with_no_strip_left_can_be_treated_as_incorrect(scripted_llm: ScriptedLLM) -> None:
+    class StripsLow(MarkerScorer):
+        def score_texts(self, query: str, texts: Any) -> List[float]:
+            if len(texts) == 1 and "gamma office" in texts[0]:
+                return [0.5]  # the passage grades AMBIGUOUS, none of its strips clears the strip threshold
+            return super().score_texts(query, texts)
+
+    engine = make_engine(
+        StripsLow({"alpha project budget for 2024": 0.9}),
+        scripted_llm,
+        primary=[GAMMA],
+        strip_min_tokens=4,
+        on_no_strips="incorrect",
+    )
+    response = engine.query(QUESTION)
+    trace = crag(response)
+    assert trace["action"] == "ambiguous" and trace["no_strips"] and trace["strips_kept"] == 0
+    assert scripted_llm.calls["rewrite"] == 1 and trace["fallback_sources"] == ["bm25"]
+    assert response.source_nodes[0].node.node_id == "alpha" and not trace["abstained"]
+
+
 def test_incorrect_branch_rewrites_once_and_answers_from_the_fallback(scripted_llm: ScriptedLLM) -> None:
     scorer = MarkerScorer({"alpha project budget for 2024": 0.9})
     engine = make_engine(scorer, scripted_llm, primary=[BETA])

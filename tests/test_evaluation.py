@@ -19,7 +19,7 @@ from llama_index_crag.evaluation.corpus import EvalCorpus
 from llama_index_crag.evaluation.dataset import load_eval_questions
 from llama_index_crag.evaluation.generator import SKIPPED_ANSWER, MeteredLLM
 from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
-from llama_index_crag.evaluation.metrics import summarize
+from llama_index_crag.evaluation.metrics import ANSWERABLE, OUT_OF_CORPUS, UNANSWERABLE, summarize, truthfulness
 from llama_index_crag.evaluation.report import PLOTS
 from llama_index_crag.evaluation.systems import SCORERS, SYSTEMS
 
@@ -321,3 +321,16 @@ def test_rows_graded_with_other_shipped_weights_are_not_reused(
     upgraded = JudgingLLM()
     run_evaluation(config, upgraded, count_tokens=words)
     assert upgraded.calls["answer"] > 0
+
+
+def test_truthfulness_rewards_abstaining_over_guessing() -> None:
+    def row(kind: str, abstained: bool, correct: Optional[bool]) -> Dict[str, Any]:
+        return {"kind": kind, "abstained": abstained, "correct": correct}
+
+    assert truthfulness(row(ANSWERABLE, False, True)) == 1
+    assert truthfulness(row(ANSWERABLE, False, False)) == -1
+    assert truthfulness(row(ANSWERABLE, True, False)) == 0
+    # Where the corpus has no answer, abstaining scores 0 and any answer is wrong.
+    assert truthfulness(row(OUT_OF_CORPUS, True, True)) == 0
+    assert truthfulness(row(UNANSWERABLE, False, False)) == -1
+    assert truthfulness(row(ANSWERABLE, False, None)) is None

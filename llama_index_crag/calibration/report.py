@@ -32,7 +32,7 @@ KINDS = (IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE)
 
 
 def build_scorer(name: str, corpus: Sequence[str], llm: Any = None) -> RelevanceScorer:
-    """A scorer by its CLI name: evidence, bi-encoder, llm-judge, cross-encoder:MODEL, flag:MODEL."""
+    """A scorer by its CLI name: evidence, bi-encoder, llm-judge, reader:DIR, cross-encoder:MODEL, flag:MODEL."""
     from llama_index_crag.scorers import BiEncoderScorer, CrossEncoderScorer, LLMJudgeScorer
 
     if name == "evidence":
@@ -45,12 +45,16 @@ def build_scorer(name: str, corpus: Sequence[str], llm: Any = None) -> Relevance
 
             llm = default_llm()[0]
         return LLMJudgeScorer(llm)
+    if name.startswith("reader:"):
+        from llama_index_crag.scorers.reader import ReaderScorer
+
+        return ReaderScorer(name.split(":", 1)[1], corpus=corpus)
     if name.startswith("cross-encoder:"):
         return CrossEncoderScorer(name.split(":", 1)[1])
     if name.startswith("flag:"):
         return CrossEncoderScorer(name.split(":", 1)[1], backend="flagembedding")
     raise ValueError(
-        f"unknown scorer {name!r}: use evidence, bi-encoder, llm-judge, cross-encoder:MODEL or flag:MODEL"
+        f"unknown scorer {name!r}: use evidence, bi-encoder, llm-judge, reader:DIR, cross-encoder:MODEL or flag:MODEL"
     )
 
 

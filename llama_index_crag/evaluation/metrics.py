@@ -115,6 +115,7 @@ def summarize(rows: Sequence[Dict[str, Any]], systems: Sequence[str]) -> Dict[st
             ),
             "accuracy": _mean([r["correct"] for r in mine]),
             "accuracy_answerable": _mean([r["correct"] for r in answerable]),
+            "truthfulness": _mean([truthfulness(r) for r in mine]),
             "input_tokens": _mean([r["input_tokens"] for r in mine]),
             "input_tokens_answered": _mean([r["input_tokens"] for r in mine if not r["abstained"]]),
             "judge_calls": _mean([r["judge_calls"] for r in mine]),
@@ -130,6 +131,18 @@ def summarize(rows: Sequence[Dict[str, Any]], systems: Sequence[str]) -> Dict[st
             },
         }
     return figures
+
+
+def truthfulness(row: Dict[str, Any]) -> Optional[int]:
+    """The CRAG benchmark's score of one answer: 1 correct, -1 wrong (any answer where none exists), 0 abstained.
+
+    Its mean rewards abstaining over guessing; ``None`` when the answer was not generated.
+    """
+    if row["correct"] is None:
+        return None
+    if row["abstained"]:
+        return 0
+    return 1 if row["kind"] == ANSWERABLE and row["correct"] else -1
 
 
 def _unsupported(row: Dict[str, Any]) -> Optional[bool]:

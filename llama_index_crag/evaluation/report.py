@@ -25,6 +25,7 @@ _ROWS: Sequence[Tuple[str, str, str]] = (
     ("wrong answers: answered, and not correctly", "wrong_answers", "pct"),
     ("answer accuracy, all queries", "accuracy", "pct"),
     ("answer accuracy, answerable", "accuracy_answerable", "pct"),
+    ("truthfulness: correct minus wrong answers, abstaining counts 0 (higher is right)", "truthfulness", "pct"),
     ("generator input tokens per query", "input_tokens", "num"),
     ("generator input tokens per answered query", "input_tokens_answered", "num"),
     ("LLM judge calls per query", "judge_calls", "num"),

@@ -19,6 +19,7 @@ from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
 from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.scorers.reader import ReaderScorer
 from llama_index_crag.settings import CragSettings
 
 #: ``--scorer`` values: CRAG's relevance scorer (and rerank-only's reranker), built from the corpus texts
@@ -27,6 +28,7 @@ from llama_index_crag.settings import CragSettings
 SCORERS: Dict[str, Callable[[Sequence[str]], RelevanceScorer]] = {
     "bi-encoder": lambda corpus: BiEncoderScorer(),
     "evidence": lambda corpus: EvidenceScorer(corpus=corpus),
+    "reader": lambda corpus: ReaderScorer(corpus=corpus),  # the grader directory in CRAG_GRADER
 }
 
 

@@ -1,0 +1,304 @@
+"""Reader scorer: a cross-encoder trained on the user's corpus, stacked with the evidence features, run as a cascade."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from numpy.typing import ArrayLike
+
+from llama_index_crag.scorers.base import sigmoid
+from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer, fit_logistic
+
+GRADER_VERSION = 1
+GRADER_FILE = "grader.json"
+WEIGHTS_FILE = "reader.safetensors"
+READER_FEATURES = FEATURES + ("reader",)
+#: Words per window a passage is read in; a candidate scores as the best of its windows.
+WINDOW_WORDS = 80
+WINDOW_STRIDE = 60
+#: (query, passage) logits kept, so that grading a batch and then explaining or re-scoring it reads it once.
+READ_CACHE_SIZE = 4096
+
+
+def base_fingerprint(base: Path) -> str:
+    """A short hash of the base model's weights: a grader refuses a base other than the one it was trained on."""
+    files = sorted(base.glob("*.safetensors")) or sorted(base.glob("*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no model weights in {base}")
+    digest = hashlib.sha256()
+    for f in files:
+        with f.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+class Reader:
+    """The cross-encoder: an encoder, mean pooling and a linear head over (question, passage) pairs."""
+
+    def __init__(self, base: Path, max_length: int = 128) -> None:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        self.base = base
+        self.max_length = max_length
+        self.tokenizer = AutoTokenizer.from_pretrained(str(base))
+        self.encoder = AutoModel.from_pretrained(str(base))
+        self.head = torch.nn.Linear(self.encoder.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.bias)
+        torch.nn.init.normal_(self.head.weight, std=0.02)
+        self.model = torch.nn.ModuleDict({"encoder": self.encoder, "head": self.head})
+
+    def encode(self, queries: Sequence[str], passages: Sequence[str]) -> Dict[str, Any]:
+        return dict(
+            self.tokenizer(
+                list(queries),
+                list(passages),
+                truncation="longest_first",  # the passage, unless the question is the longer
+                max_length=self.max_length,
+                padding=True,
+                return_tensors="pt",
+            )
+        )
+
+    def logits(self, batch: Dict[str, Any], encoder: Any = None) -> Any:
+        states = (encoder or self.encoder)(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
+        pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        return self.head(pooled).squeeze(-1)
+
+    def trainable(self, layers: int) -> List[str]:
+        """Freeze all but the top ``layers`` encoder layers (all of them when ``layers`` covers the model)."""
+        total = self.encoder.config.num_hidden_layers
+        names = []
+        for name, param in self.model.named_parameters():
+            train = name.startswith("head.")
+            if ".layer." in name:
+                train = train or int(name.split(".layer.")[1].split(".")[0]) >= total - layers
+            elif layers >= total:
+                train = True
+            param.requires_grad = train
+            if train:
+                names.append(name)
+        return names
+
+    def score(
+        self, queries: Sequence[str], passages: Sequence[str], batch_size: int = 32, encoder: Any = None
+    ) -> np.ndarray:
+        """Logits for pairs, in batches, without gradients."""
+        import torch
+
+        out: List[np.ndarray] = []
+        self.model.eval()
+        with torch.inference_mode():
+            for i in range(0, len(queries), batch_size):
+                batch = self.encode(queries[i : i + batch_size], passages[i : i + batch_size])
+                out.append(self.logits(batch, encoder).float().numpy())
+        return np.concatenate(out) if out else np.zeros(0)
+
+    def quantized_encoder(self) -> Any:
+        """The encoder with its linear layers dynamically quantised to int8 (what inference runs)."""
+
+        import torch
+
+        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(self.encoder), {torch.nn.Linear}, dtype=torch.qint8)
+
+    def save(self, out: Path, names: Sequence[str]) -> None:
+        from safetensors.torch import save_file
+
+        state = self.model.state_dict()
+        save_file({n: state[n].contiguous() for n in names}, str(out / WEIGHTS_FILE))
+
+    def load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        missing = set(load_file(str(path))) - set(self.model.state_dict())
+        if missing:
+            raise ValueError(f"{path} holds weights this reader does not have: {sorted(missing)[:3]}")
+        self.model.load_state_dict(load_file(str(path)), strict=False)
+
+
+def load_reader(
+    path: Path | str, base: Optional[Path] = None, quantize: bool = True
+) -> Tuple[Reader, Any, Dict[str, Any]]:
+    """A trained reader from its grader directory: the reader, the encoder to score with, and its description.
+
+    Refuses a directory trained on another base model than ``base`` (the bundled MiniLM by default).
+    """
+    from llama_index_crag.bundled import bundled_embedding_path
+
+    path = Path(path)
+    described = path / GRADER_FILE
+    if not described.exists():
+        raise FileNotFoundError(
+            f"{path} is not a grader directory (no {GRADER_FILE}): make one with llama-crag train-grader"
+        )
+    info = json.loads(described.read_text())
+    if info.get("version") != GRADER_VERSION or info.get("kind") != "reader":
+        raise ValueError(
+            f"{described} is a grader of version {info.get('version')}, kind {info.get('kind')}; "
+            f"this library reads version {GRADER_VERSION} readers: retrain it"
+        )
+    base = Path(base or bundled_embedding_path())
+    if base_fingerprint(base) != info["base_fingerprint"]:
+        raise ValueError(
+            f"{path} was trained on base model {info['base_model']} ({info['base_fingerprint']}), "
+            f"not on {base} ({base_fingerprint(base)}): retrain it with llama-crag train-grader"
+        )
+    reader = Reader(base, info["max_length"])
+    reader.load(path / WEIGHTS_FILE)
+    reader.model.eval()
+    return reader, reader.quantized_encoder() if quantize else reader.encoder, info
+
+
+def windows(text: str, words: int = WINDOW_WORDS, stride: int = WINDOW_STRIDE) -> List[str]:
+    """Overlapping word windows of a passage (the passage itself when it is short)."""
+    tokens = text.split()
+    if len(tokens) <= words:
+        return [text]
+    return [" ".join(tokens[i : i + words]) for i in range(0, len(tokens) - words + stride, stride)]
+
+
+class ReaderScorer(EvidenceScorer):
+    """Reads whether a passage answers: a trained cross-encoder's logit stacked with the nine evidence features.
+
+    The reader (``llama-crag train-grader``) is the bundled MiniLM fine-tuned on
+    question-passage pairs made from the user's own corpus, with on-topic negatives
+    (the answering sentence removed, a kept name or date swapped, sibling windows).
+    A candidate's reader feature is the best logit over its word windows. One logistic
+    model over the ten features gives the score; ``llama-crag calibrate`` fits it.
+
+    It runs as a cascade: the evidence features alone (their own logistic model) score
+    first, and a batch whose best evidence score is below ``settle_below`` or at least
+    ``settle_above`` keeps those scores without running the reader. Calibration sets
+    both bounds where the evidence model alone was right on the calibration pairs; the
+    defaults never settle. ``reader_runs`` and ``settled`` count what happened.
+
+    Normalisation: the stacked logistic model's probability that the passage answers.
+
+    Args:
+        grader: The grader directory written by ``llama-crag train-grader`` (or ``CRAG_GRADER``).
+        embed_model: The embedding model for the cosine feature (bundled MiniLM by default).
+        corpus: Texts whose document frequencies give the IDF weights.
+        quantize: Score with the int8 dynamically quantised encoder (the AUROC in the grader
+            directory was re-measured with it).
+    """
+
+    normalization = "stacked logistic-model probability over the evidence features and a trained reader"
+    feature_names = READER_FEATURES
+    #: The reader's logit weighs like a strong feature until calibration fits the model.
+    DEFAULT_READER_WEIGHT = 1.0
+
+    def __init__(
+        self,
+        grader: Optional[str | Path] = None,
+        embed_model: Optional[BaseEmbedding] = None,
+        corpus: Optional[Iterable[str]] = None,
+        quantize: bool = True,
+        threads: Optional[int] = None,
+    ) -> None:
+        grader = grader or os.environ.get("CRAG_GRADER")
+        if not grader:
+            raise ValueError(
+                "ReaderScorer needs a grader directory: grader=... or CRAG_GRADER (llama-crag train-grader)"
+            )
+        super().__init__(
+            embed_model,
+            weights=tuple(self.DEFAULT_WEIGHTS[:-1]) + (self.DEFAULT_READER_WEIGHT, self.DEFAULT_WEIGHTS[-1]),
+            corpus=corpus,
+        )
+        self.reader, self._encoder, self.info = load_reader(grader, quantize=quantize)
+        self.name = f"reader:{Path(grader).name}@{self.info['base_fingerprint'][:8]}+" + self.name
+        self.evidence_weights = np.asarray(self.DEFAULT_WEIGHTS, dtype=np.float64)
+        self.settle_below = 0.0
+        self.settle_above = 1.01
+        self.reader_runs = 0
+        self.settled = 0
+        self._threads = threads
+        self._read: Dict[Tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def read(self, query: str, texts: Sequence[str]) -> np.ndarray:
+        """The reader's logit for each passage: the best over its windows (recent pairs are remembered)."""
+        import torch
+
+        with self._lock:
+            known = {t: self._read[(query, t)] for t in dict.fromkeys(texts) if (query, t) in self._read}
+        spans: List[Tuple[str, str]] = [(t, w) for t in dict.fromkeys(texts) if t not in known for w in windows(t)]
+        if spans:
+            if self._threads:
+                torch.set_num_threads(self._threads)
+            logits = self.reader.score([query] * len(spans), [w for _, w in spans], encoder=self._encoder)
+            fresh: Dict[str, float] = {}
+            for (text, _), value in zip(spans, logits):
+                fresh[text] = max(fresh.get(text, -np.inf), float(value))
+            known.update(fresh)
+            with self._lock:
+                self._read.update({(query, t): v for t, v in fresh.items()})
+                while len(self._read) > READ_CACHE_SIZE:
+                    self._read.pop(next(iter(self._read)))
+        return np.asarray([known[t] for t in texts])
+
+    def features(self, query: str, texts: Sequence[str]) -> np.ndarray:
+        evidence = super().features(query, texts)
+        self.reader_runs += 1
+        return np.hstack([evidence, self.read(query, texts).reshape(-1, 1)])
+
+    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
+        if not texts:
+            return []
+        evidence = super().features(query, texts)
+        first = [sigmoid(float(v)) for v in evidence @ self.evidence_weights[:-1] + self.evidence_weights[-1]]
+        if max(first) < self.settle_below or max(first) >= self.settle_above:
+            self.settled += 1
+            return first
+        self.reader_runs += 1
+        rows = np.hstack([evidence, self.read(query, texts).reshape(-1, 1)])
+        return [sigmoid(float(v)) for v in rows @ self.weights[:-1] + self.weights[-1]]
+
+    def fit(self, features: np.ndarray, labels: ArrayLike) -> ReaderScorer:
+        """Fit the stacked model, the evidence-only model of the cascade, and where the cascade may settle.
+
+        The cascade settles low below the evidence score under which at most 1% of the
+        answering pairs fall, and high from the score above which at most 1% of the
+        pairs do not answer (never, when on-topic noise scores that high).
+        """
+        y = np.asarray(labels, dtype=bool)
+        super().fit(features, y)
+        self.evidence_weights = fit_logistic(features[:, : len(FEATURES)], y)
+        first = 1.0 / (
+            1.0 + np.exp(-(features[:, : len(FEATURES)] @ self.evidence_weights[:-1] + self.evidence_weights[-1]))
+        )
+        positives = np.sort(first[y])
+        self.settle_below = float(positives[int(len(positives) * 0.01)]) if len(positives) >= 100 else 0.0
+        self.settle_above = 1.01
+        for threshold in np.unique(np.round(first, 3)):
+            above = first >= threshold
+            if above.sum() >= 20 and (~y[above]).mean() <= 0.01:
+                self.settle_above = float(threshold)
+                break
+        return self
+
+    def state(self) -> Dict[str, Any]:
+        return {
+            **super().state(),
+            "evidence_weights": [round(float(w), 6) for w in self.evidence_weights],
+            "settle_below": round(self.settle_below, 4),
+            "settle_above": round(self.settle_above, 4),
+            "grader": {k: self.info[k] for k in ("base_model", "base_fingerprint", "held_out_auroc_int8", "date")},
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> ReaderScorer:
+        super().load_state(state)
+        self.evidence_weights = np.asarray(state["evidence_weights"], dtype=np.float64)
+        self.settle_below = float(state["settle_below"])
+        self.settle_above = float(state["settle_above"])
+        return self

@@ -1,0 +1,170 @@
+"""The reading grader: pairs made from a corpus, a real (short) training run on CPU, and the stacked scorer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Dict
+
+import numpy as np
+import pytest
+
+from llama_index_crag.calibration.pairs import (
+    ANSWER_REMOVED,
+    ENTITY_SWAPPED,
+    POSITIVE,
+    SIBLING,
+    PairSet,
+    make_pairs,
+)
+from llama_index_crag.calibration.training import TrainingConfig, train_grader
+from llama_index_crag.datasets import SAMPLE_DIR
+from llama_index_crag.scorers.evidence import FEATURES
+from llama_index_crag.scorers.reader import GRADER_FILE, READER_FEATURES, ReaderScorer, windows
+
+
+@pytest.fixture(scope="module")
+def pairs() -> PairSet:
+    return make_pairs(SAMPLE_DIR, count=1500, progress=False)
+
+
+def test_pairs_are_balanced_held_out_by_document_and_of_every_kind(pairs: PairSet) -> None:
+    train_docs = {p.doc_id for p in pairs.train}
+    held_docs = {p.doc_id for p in pairs.held_out}
+    assert train_docs and held_docs and not train_docs & held_docs
+    labels = [p.label for p in pairs.train]
+    assert 0.25 <= sum(labels) / len(labels) <= 0.5
+    kinds = pairs.counts()["train"]
+    assert {POSITIVE, ANSWER_REMOVED, ENTITY_SWAPPED, SIBLING} <= set(kinds)
+    assert all(p.label == (p.kind == POSITIVE) for p in pairs.train + pairs.held_out)
+
+
+def test_questions_are_reworded_and_not_only_about_named_entities(pairs: PairSet) -> None:
+    questions = [p for p in pairs.train if p.kind == POSITIVE]
+    # A question never repeats a sentence of its passage word for word.
+    assert not [p for p in questions if p.query.rstrip("?.").lower() in p.passage.lower()]
+    starts = {p.query.split()[0] for p in questions}
+    assert {"What", "Who", "When"} <= starts
+    assert any(not p.query.endswith("?") for p in questions), "claims are made too"
+    assert any(" not " in f" {p.query} " for p in make_pairs(SAMPLE_DIR, count=600, claims=1.0, progress=False).train)
+
+
+def test_a_negative_lacks_what_it_was_made_without(pairs: PairSet) -> None:
+    by_query: Dict[str, Any] = {}
+    for p in pairs.train:
+        by_query.setdefault(p.query, []).append(p)
+    checked = 0
+    for group in by_query.values():
+        positive = next((p for p in group if p.kind == POSITIVE), None)
+        removed = next((p for p in group if p.kind == ANSWER_REMOVED), None)
+        if positive and removed:
+            # The answer-removed window is the positive window less (at least) one sentence.
+            assert removed.passage != positive.passage
+            checked += 1
+    assert checked > 100
+
+
+def test_a_corpus_with_nothing_to_ask_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "corpus.jsonl").write_text(json.dumps({"doc_id": "a", "text": "Hello."}) + "\n")
+    with pytest.raises(ValueError, match="two sentences"):
+        make_pairs(tmp_path, count=100, progress=False)
+
+
+def test_windows_cover_a_long_passage_with_overlap() -> None:
+    text = " ".join(f"w{i}" for i in range(200))
+    parts = windows(text, words=80, stride=60)
+    assert parts[0].split()[0] == "w0" and parts[-1].split()[-1] == "w199"
+    assert all(len(p.split()) <= 80 for p in parts)
+    assert windows("short text") == ["short text"]
+
+
+@pytest.fixture(scope="module")
+def grader(pairs: PairSet, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reader trained for under a minute on the sample corpus (real training on CPU: 60 steps of 16 pairs)."""
+    out = tmp_path_factory.mktemp("grader")
+    config = TrainingConfig(max_length=64, minutes=4, eval_every=20, eval_pairs=200, epochs=60 * 16 / len(pairs.train))
+    train_grader(pairs, out, config=config, progress=False)
+    return out
+
+
+@pytest.mark.slow
+def test_a_minute_of_training_raises_held_out_auroc_well_above_the_untrained_head(grader: Path) -> None:
+    info = json.loads((grader / GRADER_FILE).read_text())
+    untrained = info["history"][0]["held_out_auroc"]
+    assert info["held_out_auroc"] >= untrained + 0.15, info["history"]
+    assert abs(info["held_out_auroc_int8"] - info["held_out_auroc"]) < 0.05
+    assert info["pairs"]["train"]["positive"] > 0 and info["base_fingerprint"]
+
+
+@pytest.mark.slow
+def test_training_resumes_from_its_checkpoint(pairs: PairSet, grader: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again"
+    shutil.copytree(grader, again)
+    info = json.loads((again / GRADER_FILE).read_text())
+    config = TrainingConfig(max_length=64, minutes=4, eval_every=20, eval_pairs=200, epochs=60 * 16 / len(pairs.train))
+    resumed = train_grader(pairs, again, config=config, progress=False, log=lambda _: None)
+    assert resumed["steps"] >= info["steps"] and resumed["history"][: len(info["history"])] == info["history"]
+    with pytest.raises(ValueError, match="other settings"):
+        train_grader(pairs, again, config=TrainingConfig(max_length=96, minutes=0.1), progress=False)
+
+
+@pytest.mark.slow
+def test_the_reader_scorer_stacks_the_reader_on_the_evidence_features(grader: Path) -> None:
+    scorer = ReaderScorer(grader)
+    question = "When did Harbor Analytics open its Toronto office?"
+    texts = [
+        "The Toronto office opened in January 2020 and hosts the North American customer support center.",
+        "Employees travelling on business must book flights and hotels through the company travel portal.",
+    ]
+    rows = scorer.features(question, texts)
+    assert rows.shape == (2, len(READER_FEATURES)) and READER_FEATURES[: len(FEATURES)] == FEATURES
+    scores = scorer.score_texts(question, texts)
+    assert scores[0] > scores[1] and scorer.reader_runs >= 2
+    # A cascade whose evidence model settles every batch never runs the reader.
+    scorer.settle_below, runs = 1.01, scorer.reader_runs
+    assert scorer.score_texts(question, texts) and scorer.reader_runs == runs and scorer.settled == 1
+    # The stacked model's state round-trips through a calibration file's scorer_state.
+    state = scorer.state()
+    other = ReaderScorer(grader).load_state(json.loads(json.dumps(state)))
+    assert other.settle_below == 1.01 and np.allclose(other.weights, scorer.weights)
+
+
+@pytest.mark.slow
+def test_the_stacked_model_fits_its_cascade_from_labelled_rows(grader: Path) -> None:
+    scorer = ReaderScorer(grader)
+    rng = np.random.default_rng(0)
+    labels = rng.random(600) < 0.3
+    rows = rng.normal(size=(600, len(READER_FEATURES))) + labels[:, None] * 1.5
+    scorer.fit(rows, labels)
+    assert scorer.weights.shape == (len(READER_FEATURES) + 1,)
+    assert scorer.evidence_weights.shape == (len(FEATURES) + 1,)
+    assert 0.0 < scorer.settle_below < 0.5
+
+
+@pytest.mark.slow
+def test_a_grader_trained_on_another_base_model_is_refused(grader: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(grader, copy)
+    info = json.loads((copy / GRADER_FILE).read_text())
+    info["base_fingerprint"] = "0" * 16
+    (copy / GRADER_FILE).write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="trained on base model"):
+        ReaderScorer(copy)
+    with pytest.raises(FileNotFoundError, match="not a grader directory"):
+        ReaderScorer(tmp_path)
+
+
+@pytest.mark.slow
+def test_train_grader_writes_a_grader_directory_from_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llama_index_crag.cli import main
+
+    out = tmp_path / "grader"
+    args = ["train-grader", "--corpus", str(SAMPLE_DIR), "--out", str(out), "--pairs", "300", "--minutes", "0.05"]
+    assert main([*args, "--max-length", "48", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "held out (other documents)" in printed and f"CRAG_GRADER={out}" in printed
+    info = json.loads((out / GRADER_FILE).read_text())
+    assert info["stopped"].startswith("time budget") and (out / "reader.safetensors").exists()
