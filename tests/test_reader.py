@@ -21,12 +21,31 @@ from llama_index_crag.calibration.pairs import (
 from llama_index_crag.calibration.training import TrainingConfig, train_grader
 from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.scorers.evidence import FEATURES
-from llama_index_crag.scorers.reader import GRADER_FILE, READER_FEATURES, ReaderScorer, windows
+from llama_index_crag.scorers.reader import GRADER_FILE, READER_FEATURES, ReaderScorer, load_reader, windows
+
+COOPERATIVE = [
+    "The Ostmoor Dairy Cooperative was founded in 1952 by eleven farming families.",
+    "Members join the cooperative by buying one share, priced at 1,500 crowns.",
+    "The cooperative is chaired by Ingrid Halvorsen, who was elected in 2021.",
+    "Its creamery ages Vell Blue for nine weeks in limestone cellars.",
+    "Milk is collected from member farms every morning before seven.",
+]
 
 
 @pytest.fixture(scope="module")
-def pairs() -> PairSet:
-    return make_pairs(SAMPLE_DIR, count=1500, progress=False)
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sample corpus plus a cooperative's page: the documents a user would train their grader on."""
+    folder = tmp_path_factory.mktemp("corpus")
+    lines = (SAMPLE_DIR / "corpus.jsonl").read_text().splitlines()
+    lines.append(json.dumps({"doc_id": "coop", "text": " ".join(COOPERATIVE)}))
+    (folder / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pairs(corpus: Path) -> PairSet:
+    # Seed 1 keeps the cooperative's page among the training documents (seed 0 holds it out).
+    return make_pairs(corpus, count=1500, seed=1, progress=False)
 
 
 def test_pairs_are_balanced_held_out_by_document_and_of_every_kind(pairs: PairSet) -> None:
@@ -139,7 +158,11 @@ def test_the_stacked_model_fits_its_cascade_from_labelled_rows(grader: Path) -> 
     scorer.fit(rows, labels)
     assert scorer.weights.shape == (len(READER_FEATURES) + 1,)
     assert scorer.evidence_weights.shape == (len(FEATURES) + 1,)
-    assert 0.0 < scorer.settle_below < 0.5
+    first = 1 / (1 + np.exp(-(rows[:, : len(FEATURES)] @ scorer.evidence_weights[:-1] + scorer.evidence_weights[-1])))
+    # Settling low drops at most 1% of the answering rows; settling high lets through at most 1% that do not answer.
+    assert scorer.settle_below > 0.0 and (first[labels] < scorer.settle_below).mean() <= 0.01
+    above = first >= scorer.settle_above
+    assert scorer.settle_above > 1.0 or (~labels[above]).mean() <= 0.01
 
 
 @pytest.mark.slow
@@ -168,3 +191,21 @@ def test_train_grader_writes_a_grader_directory_from_the_command_line(
     assert "held out (other documents)" in printed and f"CRAG_GRADER={out}" in printed
     info = json.loads((out / GRADER_FILE).read_text())
     assert info["stopped"].startswith("time budget") and (out / "reader.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("question", "answers", "does_not"),
+    [
+        ("What does one share cost?", 1, 2),  # "cost" against "priced at"
+        ("How much does membership cost?", 1, 0),
+        ("Who chairs the cooperative?", 2, 1),
+        ("How long is Vell Blue aged?", 3, 4),  # "aged" against "ages ... for nine weeks"
+    ],
+)
+def test_the_trained_reader_prefers_the_sentence_that_answers_a_paraphrase(
+    grader: Path, question: str, answers: int, does_not: int
+) -> None:
+    reader, encoder, _ = load_reader(grader)
+    logits = reader.score([question] * 2, [COOPERATIVE[answers], COOPERATIVE[does_not]], encoder=encoder)
+    assert logits[0] > logits[1], logits
