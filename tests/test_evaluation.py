@@ -287,7 +287,8 @@ def test_eval_with_the_bundled_generator_measures_answer_accuracy(dataset: Path,
     assert 4 <= results["figures"]["llm-judge"]["judge_calls"] <= 5, "one call per chunk, one fewer if gold is hidden"
 
 
-@pytest.mark.parametrize("name", sorted(SCORERS))
+# The reader needs a trained grader directory: tests/test_reader.py trains one and checks its entry.
+@pytest.mark.parametrize("name", sorted(set(SCORERS) - {"reader"}))
 def test_every_registered_scorer_builds_from_the_corpus_and_scores_in_unit_range(name: str) -> None:
     scorer = SCORERS[name](list(DOCS.values()))
     scores = scorer.score_texts("In which city is the gamma office?", [DOCS["gamma"], DOCS["beta"]])

@@ -209,3 +209,15 @@ def test_the_trained_reader_prefers_the_sentence_that_answers_a_paraphrase(
     reader, encoder, _ = load_reader(grader)
     logits = reader.score([question] * 2, [COOPERATIVE[answers], COOPERATIVE[does_not]], encoder=encoder)
     assert logits[0] > logits[1], logits
+
+
+@pytest.mark.slow
+def test_eval_grades_with_the_reader_named_in_crag_grader(grader: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llama_index_crag.evaluation.systems import SCORERS
+
+    monkeypatch.delenv("CRAG_GRADER", raising=False)
+    with pytest.raises(ValueError, match="CRAG_GRADER"):
+        SCORERS["reader"](COOPERATIVE)
+    monkeypatch.setenv("CRAG_GRADER", str(grader))
+    scores = SCORERS["reader"](COOPERATIVE).score_texts("Who chairs the cooperative?", COOPERATIVE)
+    assert all(0.0 <= s <= 1.0 for s in scores) and len(scores) == len(COOPERATIVE)
