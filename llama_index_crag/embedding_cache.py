@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
@@ -26,18 +28,25 @@ class DiskCachedEmbedding(BaseEmbedding):
     The corpus (and the fallback's sentence windows) are embedded once per dataset
     content; later runs load the vectors. Query embeddings are never cached: they are
     part of the retrieval time the evaluation measures.
+
+    With ``read_only`` (a server, where several processes load the same file) the file
+    is never written: texts it lacks are embedded and not kept.
     """
 
     _inner: BaseEmbedding = PrivateAttr()
     _path: Path = PrivateAttr()
     _vectors: Dict[str, np.ndarray] = PrivateAttr()
     _progress: bool = PrivateAttr()
+    _read_only: bool = PrivateAttr()
+    _lock: Any = PrivateAttr()
 
-    def __init__(self, inner: BaseEmbedding, path: Path, progress: bool = False) -> None:
+    def __init__(self, inner: BaseEmbedding, path: Path, progress: bool = False, read_only: bool = False) -> None:
         super().__init__(model_name=inner.model_name, embed_batch_size=inner.embed_batch_size)
         self._inner = inner
         self._path = path
         self._progress = progress
+        self._read_only = read_only
+        self._lock = threading.Lock()
         self._vectors = {}
         if path.exists():
             with np.load(path) as stored:
@@ -59,6 +68,10 @@ class DiskCachedEmbedding(BaseEmbedding):
     def get_text_embedding_batch(self, texts: List[str], show_progress: bool = False, **kwargs: Any) -> List[Embedding]:
         """Vectors of ``texts``: from the cache, embedding (shortest first, saved as it goes) what is missing."""
         keys = [_key(t) for t in texts]
+        if self._read_only:
+            absent = [t for k, t in zip(keys, texts) if k not in self._vectors]
+            fresh = iter(self._inner.get_text_embedding_batch(absent, show_progress=show_progress) if absent else [])
+            return [self._vectors[k].tolist() if k in self._vectors else next(fresh) for k in keys]
         missing = sorted(
             {k: t for k, t in zip(keys, texts) if k not in self._vectors}.items(), key=lambda kv: len(kv[1])
         )
@@ -69,13 +82,14 @@ class DiskCachedEmbedding(BaseEmbedding):
             vectors = self._inner.get_text_embedding_batch(
                 [t for _, t in part], show_progress=show_progress or (self._progress and len(missing) > 100)
             )
-            self._vectors.update((k, np.asarray(v, dtype=np.float32)) for (k, _), v in zip(part, vectors))
-            self._save()
+            with self._lock:
+                self._vectors.update((k, np.asarray(v, dtype=np.float32)) for (k, _), v in zip(part, vectors))
+                self._save()
         return [self._vectors[k].tolist() for k in keys]
 
     def _save(self) -> None:
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self._path.with_name(self._path.name + ".partial.npz")
+        partial = self._path.with_name(f"{self._path.name}.{os.getpid()}-{threading.get_ident()}.partial.npz")
         np.savez(partial, keys=np.array(list(self._vectors)), vectors=np.stack(list(self._vectors.values())))
         partial.replace(self._path)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
@@ -237,6 +238,49 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             callback_manager=callback_manager,
         )
 
+    def variant(self, *, streaming: Optional[bool] = None, explain: Optional[bool] = None) -> CorrectiveQueryEngine:
+        """This engine with another streaming or explain setting, sharing every part (retrievers, scorer, caches).
+
+        A server answers some requests streamed and some not, some with the scorer's
+        explanations and some without, from one set of loaded models.
+        """
+        synthesizer = self._synthesizer
+        if streaming is not None and streaming != bool(getattr(synthesizer, "_streaming", False)):
+            synthesizer = copy.copy(synthesizer)
+            synthesizer._streaming = streaming  # type: ignore[attr-defined]
+        grader, settings = self._grader, self.settings
+        if explain is not None and explain != grader.explain:
+            grader = RelevanceGrader(
+                grader.scorer,
+                upper=grader.upper,
+                lower=grader.lower,
+                aggregation=grader.aggregation,
+                min_relevant=grader.min_relevant,
+                explain=explain,
+            )
+            settings = settings.model_copy(update={"explain": explain})
+        return type(self)(
+            retriever=self._retriever,
+            grader=grader,
+            refiner=self._refiner,
+            fallback=self._fallback,
+            rewriter=self._rewriter,
+            response_synthesizer=synthesizer,
+            settings=settings,
+            node_postprocessors=self._postprocessors,
+            callback_manager=self.callback_manager,
+        )
+
+    @property
+    def fallback(self) -> Optional[BaseRetriever]:
+        """The retrieval of the INCORRECT branch."""
+        return self._fallback
+
+    @property
+    def synthesizer(self) -> BaseSynthesizer:
+        """The response synthesizer that generates answers."""
+        return self._synthesizer
+
     @property
     def grader(self) -> RelevanceGrader:
         """The grader that routes each query."""
@@ -349,6 +393,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 _bind(self._refiner.arefine, query_bundle, candidates),
             )
         trace.strips_kept, trace.strips_dropped = refinement.kept, refinement.dropped
+        trace.strips = [asdict(strip) for strip in refinement.strips]
         if refinement.used_original and self.settings.on_no_strips == "incorrect":
             trace.no_strips = True
             return (yield from self._correct(query_bundle, trace))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
@@ -27,13 +27,24 @@ class Strip:
 
 
 @dataclass(frozen=True)
+class StripGrade:
+    """One strip as the trace shows it: its text, the candidate it came from, its score, and whether it was kept."""
+
+    node_id: str
+    text: str
+    score: float
+    kept: bool
+
+
+@dataclass(frozen=True)
 class Refinement:
-    """What the refiner kept: recomposed nodes plus the strip counts for the trace."""
+    """What the refiner kept: recomposed nodes, the strip counts, and every strip graded (kept or not)."""
 
     nodes: List[NodeWithScore]
     kept: int
     dropped: int
     used_original: bool
+    strips: List[StripGrade] = field(default_factory=list)
 
 
 def decompose(text: str, min_tokens: int) -> List[Strip]:
@@ -118,19 +129,24 @@ class StripRefiner(BaseNodePostprocessor):
         flat = [strip.text for strips in per_node for strip in strips]
         scores = self._scorer.score_texts(query_bundle.query_str, flat) if flat else []
         refined: List[NodeWithScore] = []
+        graded: List[StripGrade] = []
         kept = 0
         cursor = 0
         for source, strips in zip(nodes, per_node):
             strip_scores = scores[cursor : cursor + len(strips)]
             cursor += len(strips)
             chosen = [(s, score) for s, score in zip(strips, strip_scores) if score >= self.threshold]
+            graded.extend(
+                StripGrade(source.node.node_id, s.text, round(float(score), 4), score >= self.threshold)
+                for s, score in zip(strips, strip_scores)
+            )
             if not chosen:
                 continue
             kept += len(chosen)
             refined.append(_recompose(source, chosen))
         if not refined:
-            return Refinement(nodes=list(nodes), kept=0, dropped=len(flat), used_original=True)
-        return Refinement(nodes=refined, kept=kept, dropped=len(flat) - kept, used_original=False)
+            return Refinement(nodes=list(nodes), kept=0, dropped=len(flat), used_original=True, strips=graded)
+        return Refinement(nodes=refined, kept=kept, dropped=len(flat) - kept, used_original=False, strips=graded)
 
     async def arefine(self, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]) -> Refinement:
         """``refine`` off the event loop (scoring is CPU-bound)."""

@@ -87,6 +87,8 @@ class CragTrace:
     top_score: Optional[float] = None
     strips_kept: int = 0
     strips_dropped: int = 0
+    #: AMBIGUOUS: every strip graded, kept or dropped, with its candidate's node id and score.
+    strips: List[Dict[str, Any]] = field(default_factory=list)
     no_strips: bool = False
     rewritten_query: Optional[str] = None
     rewrites: int = 0

@@ -157,6 +157,18 @@ class EvidenceScorer(RelevanceScorer):
         self._rare_idf = math.log((size + 1) / max(1.0, size / 50)) if size else math.inf
         return self
 
+    def corpus_stats(self) -> Dict[str, Any]:
+        """The IDF table ``fit_corpus`` learned, as JSON-ready data (``llama-crag ingest`` persists it)."""
+        rare = None if math.isinf(self._rare_idf) else self._rare_idf
+        return {"idf": {w: round(v, 6) for w, v in self._idf.items()}, "unseen": self._unseen_idf, "rare": rare}
+
+    def load_corpus_stats(self, stats: Mapping[str, Any]) -> EvidenceScorer:
+        """Use an IDF table written by ``corpus_stats`` instead of reading the corpus again."""
+        self._idf = {str(w): float(v) for w, v in stats["idf"].items()}
+        self._unseen_idf = float(stats["unseen"])
+        self._rare_idf = math.inf if stats["rare"] is None else float(stats["rare"])
+        return self
+
     def _expandable(self, query_terms: Iterable[str]) -> FrozenSet[str]:
         """Query words the corpus never uses that may abbreviate words it does use ("CEO" where the documents
         say "chief executive officer"): such a word also counts as found where its expansion is."""

@@ -1,0 +1,135 @@
+"""Building the served app from command-line options, in one process or in each of several uvicorn workers.
+
+With ``--workers N`` uvicorn starts N processes that each import ``app_factory``; the
+options travel to them in the ``CRAG_SERVE_OPTIONS`` environment variable, and the
+Prometheus counters of all workers are shared through ``PROMETHEUS_MULTIPROC_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+OPTIONS_ENV = "CRAG_SERVE_OPTIONS"
+
+
+@dataclass
+class ServeOptions:
+    """What ``llama-crag serve`` was asked for."""
+
+    index: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1
+    llm: str = "auto"  # auto | ollama | llamacpp | none
+    model: Optional[str] = None
+    ollama_url: Optional[str] = None
+    gguf: Optional[str] = None
+    request_timeout_s: float = 120.0
+    disable_crag: bool = False
+    cors_origins: List[str] = field(default_factory=list)
+    max_body_bytes: int = 64 * 1024
+    max_query_chars: int = 4000
+    query_timeout_s: float = 120.0
+    rate_window_s: float = 300.0
+    log_level: str = "info"
+
+
+def build_llm(options: ServeOptions) -> Tuple[Any, Any]:
+    """The generator the options name, and the ``Generator`` the health check probes."""
+    from llama_index_crag.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL, default_llm, ollama_has_model
+    from llama_index_crag.server.app import Generator
+
+    url = options.ollama_url or DEFAULT_OLLAMA_URL
+    if options.llm == "none":
+        return None, Generator("none (retrieval and grading only: answers are empty)")
+    if options.llm == "ollama":
+        from llama_index.llms.ollama import Ollama
+
+        model = options.model or DEFAULT_OLLAMA_MODEL
+        llm = Ollama(model=model, base_url=url, request_timeout=options.request_timeout_s, context_window=8192)
+
+        def probe() -> Tuple[bool, str]:
+            if ollama_has_model(url, model, timeout=2.0):
+                return True, f"Ollama at {url} lists {model}"
+            return False, f"no Ollama model {model} answers at {url}"
+
+        return llm, Generator(f"Ollama model {model} at {url}", probe)
+    if options.llm == "llamacpp":
+        from llama_index_crag.bundled import bundled_gguf_path
+        from llama_index_crag.llamacpp import BundledLlamaCPP
+        from llama_index_crag.portable import require_generation
+
+        path = options.gguf or str(bundled_gguf_path())
+        require_generation(path)
+        return BundledLlamaCPP(model_path=path), Generator(f"llama.cpp in process with {path}")
+    if options.llm == "auto":
+        llm, described = default_llm(url, options.model or DEFAULT_OLLAMA_MODEL, gguf=options.gguf)
+        return llm, Generator(described)
+    raise ValueError(f"unknown --llm {options.llm!r}: use auto, ollama, llamacpp or none")
+
+
+def build_app(options: ServeOptions) -> Any:
+    """The FastAPI app over the index folder the options name."""
+    from llama_index.core.llms import MockLLM
+    from llama_index.core.response_synthesizers.no_text import NoText
+
+    from llama_index_crag.server.app import ServerConfig, create_app
+    from llama_index_crag.server.store import load_engine, load_index
+
+    loaded = load_index(options.index)
+    llm, generator = build_llm(options)
+    extra: Dict[str, Any] = {}
+    if llm is None:  # grading only: nothing generates, nothing rewrites
+        llm = MockLLM()
+        extra = {"response_synthesizer": NoText(llm=llm), "max_rewrites": 0}
+    engine = load_engine(loaded, llm, enabled=False if options.disable_crag else None, **extra)
+    config = ServerConfig(
+        api_key=os.environ.get("CRAG_API_KEY") or None,
+        max_body_bytes=options.max_body_bytes,
+        max_query_chars=options.max_query_chars,
+        query_timeout_s=options.query_timeout_s,
+        cors_origins=list(options.cors_origins),
+        rate_window_s=options.rate_window_s,
+    )
+    return create_app(engine, config, generator, loaded.describe())
+
+
+def app_factory() -> Any:
+    """Each uvicorn worker's app: the options come from ``CRAG_SERVE_OPTIONS``."""
+    raw = os.environ.get(OPTIONS_ENV)
+    if not raw:
+        raise RuntimeError(f"{OPTIONS_ENV} is not set: start the server with llama-crag serve")
+    return build_app(ServeOptions(**json.loads(raw)))
+
+
+def serve(options: ServeOptions) -> None:
+    """Run the server in the foreground until interrupted."""
+    import uvicorn
+
+    from llama_index_crag.server.store import load_index
+
+    load_index(options.index)  # a clear error now rather than in every worker
+    if options.workers <= 1:
+        uvicorn.run(build_app(options), host=options.host, port=options.port, log_level=options.log_level)
+        return
+    metrics_dir = tempfile.mkdtemp(prefix="crag-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    os.environ[OPTIONS_ENV] = json.dumps(asdict(options))
+    try:
+        uvicorn.run(
+            "llama_index_crag.server.main:app_factory",
+            factory=True,
+            host=options.host,
+            port=options.port,
+            workers=options.workers,
+            log_level=options.log_level,
+            # Each worker loads the models before it answers the supervisor's health check.
+            timeout_worker_healthcheck=600,
+        )
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)

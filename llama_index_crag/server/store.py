@@ -1,0 +1,305 @@
+"""A persisted index folder: what ``llama-crag ingest`` writes and ``llama-crag serve`` loads.
+
+The folder holds everything the engine needs, so that serving starts without reading
+the documents again or embedding anything but queries:
+
+- ``storage/``: LlamaIndex's own persisted vector index and docstore (the chunks, their
+  embeddings, and each document's hash for incremental updates);
+- ``embeddings.npz``: the passage vectors of the fallback's sentence windows and of
+  strips and candidates graded so far (``DiskCachedEmbedding``), keyed by text;
+- ``corpus_stats.json``: the evidence scorer's IDF table over the chunks;
+- ``calibration.json``: the calibration the index was built with, if one was given;
+- ``manifest.json``: the format version, the source folder, each document's hash,
+  the embedding model, the grader directory (a trained reader, if one was given) and
+  the counts of the last ingest.
+
+Ingesting the same folder again updates only what changed: documents whose content
+hash differs are re-chunked and re-embedded, new ones inserted, vanished ones deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from llama_index.core import Document, StorageContext, VectorStoreIndex, load_index_from_storage
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.llms import LLM
+from llama_index.core.schema import BaseNode, MetadataMode
+
+from llama_index_crag.datasets import load_documents
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+STORAGE = "storage"
+EMBEDDINGS = "embeddings.npz"
+CORPUS_STATS = "corpus_stats.json"
+CALIBRATION = "calibration.json"
+#: Files a folder of documents may hold; others are skipped and counted.
+TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".html", ".htm", ".csv", ".json")
+
+
+class IndexFolderError(ValueError):
+    """The folder is not a persisted index this version can load, or the documents cannot be read."""
+
+
+@dataclass
+class IngestReport:
+    """What one ``ingest`` did."""
+
+    index_dir: str
+    documents: int
+    nodes: int
+    added: List[str] = field(default_factory=list)
+    updated: List[str] = field(default_factory=list)
+    removed: List[str] = field(default_factory=list)
+    unchanged: int = 0
+    skipped: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.index_dir}: {self.documents} documents, {self.nodes} chunks; "
+            f"{len(self.added)} added, {len(self.updated)} updated, {len(self.removed)} removed, "
+            f"{self.unchanged} unchanged" + (f", {len(self.skipped)} files skipped" if self.skipped else "")
+        )
+
+
+def read_documents(source: Path) -> tuple[List[Document], List[str]]:
+    """The documents of ``source``: a ``corpus.jsonl`` in the shared dataset format, or a folder of text files.
+
+    Each document's id is its ``doc_id`` or its path relative to ``source``, so that the
+    same file keeps its id wherever the folder lives. Returns the documents and the files skipped
+    (empty, binary or of a kind this reader does not take).
+    """
+    source = Path(source)
+    if not source.is_dir():
+        raise IndexFolderError(f"{source} is not a folder of documents")
+    if (source / "corpus.jsonl").exists():
+        documents = [d for d in load_documents(source) if d.text.strip()]
+        return documents, []
+    documents, skipped = [], []
+    for path in sorted(p for p in source.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        relative = path.relative_to(source).as_posix()
+        if path.suffix.lower() not in TEXT_SUFFIXES:
+            skipped.append(f"{relative} (not a text format: {', '.join(TEXT_SUFFIXES)})")
+            continue
+        raw = path.read_bytes()
+        if b"\x00" in raw[:4096]:
+            skipped.append(f"{relative} (binary content)")
+            continue
+        text = raw.decode("utf-8", errors="replace")
+        if path.suffix.lower() in (".html", ".htm"):
+            text = _html_text(text)
+        if not text.strip():
+            skipped.append(f"{relative} (empty)")
+            continue
+        documents.append(
+            Document(
+                text=text,
+                id_=relative,
+                metadata={"doc_id": relative, "file_name": path.name},
+                excluded_embed_metadata_keys=["doc_id"],
+                excluded_llm_metadata_keys=["doc_id"],
+            )
+        )
+    return documents, skipped
+
+
+def _html_text(html: str) -> str:
+    """An HTML file's readable text (scripts, styles and markup dropped)."""
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(html, "html.parser")
+    for tag in soup(["script", "style", "noscript", "template"]):
+        tag.decompose()
+    return soup.get_text("\n", strip=True)
+
+
+def _embedder(index_dir: Path, embed_model: Optional[BaseEmbedding], read_only: bool = False) -> BaseEmbedding:
+    """The embedding model with the folder's passage vectors; serving reads them and never writes the file."""
+    from llama_index_crag.embedding_cache import DiskCachedEmbedding
+    from llama_index_crag.models import default_embed_model
+
+    return DiskCachedEmbedding(embed_model or default_embed_model(), index_dir / EMBEDDINGS, read_only=read_only)
+
+
+def _manifest(index_dir: Path) -> Dict[str, Any]:
+    path = index_dir / MANIFEST
+    if not path.exists():
+        raise IndexFolderError(f"{index_dir} is not an index folder (no {MANIFEST}): make one with llama-crag ingest")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as exc:
+        raise IndexFolderError(f"{path} is not valid JSON: {exc}") from exc
+    if manifest.get("format") != FORMAT:
+        raise IndexFolderError(
+            f"{index_dir} is an index of format {manifest.get('format')}; this version reads format {FORMAT}: "
+            "ingest the documents again"
+        )
+    return manifest
+
+
+def ingest(
+    source: Path | str,
+    index_dir: Path | str,
+    embed_model: Optional[BaseEmbedding] = None,
+    calibration: Optional[Path | str] = None,
+    grader: Optional[Path | str] = None,
+    warm_fallback: bool = True,
+    progress: bool = False,
+) -> IngestReport:
+    """Build or update the index folder ``index_dir`` from the documents in ``source``.
+
+    A second run over the same folder embeds only documents added or changed since
+    the first and deletes those that are gone. ``calibration`` (a calibration file) and
+    ``grader`` (a ``train-grader`` directory) are recorded and used by ``load_engine``.
+    With ``warm_fallback`` the fallback's sentence windows are embedded now, so that
+    the first INCORRECT query of a server does not pay for it.
+    """
+    import time
+
+    started = time.monotonic()
+    source, index_dir = Path(source).resolve(), Path(index_dir)
+    documents, skipped = read_documents(source)
+    if not documents:
+        raise IndexFolderError(
+            f"{source} holds no document with text to index" + (f" (skipped: {skipped})" if skipped else "")
+        )
+    index_dir.mkdir(parents=True, exist_ok=True)
+    embedder = _embedder(index_dir, embed_model)
+    report = IngestReport(index_dir=str(index_dir), documents=len(documents), nodes=0, skipped=skipped)
+    old: Dict[str, Any] = {}
+    if (index_dir / MANIFEST).exists():
+        old = _manifest(index_dir)
+        index = load_index_from_storage(
+            StorageContext.from_defaults(persist_dir=str(index_dir / STORAGE)), embed_model=embedder
+        )
+        current = {d.id_ for d in documents}
+        for doc_id in sorted(set(old.get("documents", {})) - current):
+            index.delete_ref_doc(doc_id, delete_from_docstore=True)
+            report.removed.append(doc_id)
+        known = old.get("documents", {})
+        changed = index.refresh_ref_docs(documents)
+        for document, refreshed in zip(documents, changed):
+            if not refreshed:
+                report.unchanged += 1
+            elif document.id_ in known:
+                report.updated.append(document.id_)
+            else:
+                report.added.append(document.id_)
+    else:
+        index = VectorStoreIndex.from_documents(documents, embed_model=embedder, show_progress=progress)
+        report.added = [d.id_ for d in documents]
+    index.storage_context.persist(persist_dir=str(index_dir / STORAGE))
+    nodes = list(index.docstore.docs.values())
+    report.nodes = len(nodes)
+
+    from llama_index_crag.scorers.evidence import EvidenceScorer
+
+    stats = EvidenceScorer(embedder).fit_corpus(n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes)
+    _write_json(index_dir / CORPUS_STATS, stats.corpus_stats())
+    if calibration:
+        shutil.copyfile(calibration, index_dir / CALIBRATION)
+    if warm_fallback:
+        from llama_index_crag.fallback import FallbackRetriever
+
+        FallbackRetriever.from_nodes(nodes, embed_model=embedder).retrieve("warm the sentence windows")
+    report.seconds = round(time.monotonic() - started, 2)
+    manifest: Dict[str, Any] = {
+        "format": FORMAT,
+        "created": old.get("created") or _now(),
+        "updated": _now(),
+        "source": str(source),
+        "embed_model": embedder.model_name,
+        "documents": {d.id_: d.hash for d in documents},
+        "nodes": len(nodes),
+        "calibration": CALIBRATION if (index_dir / CALIBRATION).exists() else None,
+        "grader": str(Path(grader).resolve()) if grader else old.get("grader"),
+        "last_ingest": {k: v for k, v in asdict(report).items() if k != "index_dir"},
+    }
+    _write_json(index_dir / MANIFEST, manifest)
+    return report
+
+
+@dataclass
+class LoadedIndex:
+    """A persisted index folder, loaded."""
+
+    index_dir: Path
+    index: VectorStoreIndex
+    nodes: List[BaseNode]
+    embed_model: BaseEmbedding
+    manifest: Dict[str, Any]
+
+    @property
+    def calibration_path(self) -> Optional[str]:
+        name = self.manifest.get("calibration")
+        return str(self.index_dir / name) if name else None
+
+    def describe(self) -> Dict[str, Any]:
+        return {
+            "path": str(self.index_dir),
+            "documents": len(self.manifest.get("documents", {})),
+            "chunks": len(self.nodes),
+            "updated": self.manifest.get("updated"),
+            "grader": self.manifest.get("grader"),
+            "calibration": self.calibration_path,
+        }
+
+
+def load_index(index_dir: Path | str, embed_model: Optional[BaseEmbedding] = None) -> LoadedIndex:
+    """Load an index folder written by ``ingest``."""
+    index_dir = Path(index_dir)
+    manifest = _manifest(index_dir)
+    embedder = _embedder(index_dir, embed_model, read_only=True)
+    if Path(manifest["embed_model"]).name != Path(embedder.model_name).name:
+        raise IndexFolderError(
+            f"{index_dir} was embedded with {manifest['embed_model']}, not {embedder.model_name}: ingest it again"
+        )
+    index = load_index_from_storage(
+        StorageContext.from_defaults(persist_dir=str(index_dir / STORAGE)), embed_model=embedder
+    )
+    if not isinstance(index, VectorStoreIndex):
+        raise IndexFolderError(f"{index_dir} holds a {type(index).__name__}, not a vector index: ingest it again")
+    return LoadedIndex(index_dir, index, list(index.docstore.docs.values()), embedder, manifest)
+
+
+def load_engine(loaded: LoadedIndex, llm: LLM, **settings: Any) -> Any:
+    """The engine over a loaded index: its scorer (the recorded grader, else the evidence scorer) with the
+    persisted corpus statistics, its calibration, and the fallback over its chunks."""
+    from llama_index_crag.engine import CorrectiveQueryEngine
+    from llama_index_crag.scorers.evidence import EvidenceScorer
+
+    grader = loaded.manifest.get("grader") or os.environ.get("CRAG_GRADER")
+    if grader:
+        from llama_index_crag.scorers.reader import ReaderScorer
+
+        scorer: EvidenceScorer = ReaderScorer(grader, loaded.embed_model)
+    else:
+        scorer = EvidenceScorer(loaded.embed_model)
+    scorer.load_corpus_stats(json.loads((loaded.index_dir / CORPUS_STATS).read_text()))
+    return CorrectiveQueryEngine.from_defaults(
+        index=loaded.index,
+        nodes=loaded.nodes,
+        llm=llm,
+        scorer=scorer,
+        embed_model=loaded.embed_model,
+        calibration_path=loaded.calibration_path,
+        **settings,
+    )
+
+
+def _write_json(path: Path, data: Any) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=1) + "\n")
+    partial.replace(path)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,368 @@
+"""The query server over a real persisted index, on a real socket: API, OpenAI SDK, errors, metrics, workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import httpx
+import pytest
+from llama_index.core import VectorStoreIndex
+from llama_index.core.llms import MockLLM
+from llama_index.core.response_synthesizers.no_text import NoText
+
+from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
+from llama_index_crag.server.app import ServerConfig, create_app
+from llama_index_crag.server.store import IndexFolderError, ingest, load_engine, load_index
+from tests.conftest import ScriptedLLM
+from tests.live_server import LiveServer, free_port
+from tests.ollama_server import OllamaServer
+
+ANSWERED = "Who is the CEO of Harbor Analytics?"
+OUT_OF_CORPUS = "Who wrote the novel Moby-Dick?"
+
+
+@pytest.fixture(scope="module")
+def index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("index")
+    ingest(SAMPLE_DIR, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(index_dir: Path) -> Any:
+    return load_index(index_dir)
+
+
+@pytest.fixture(scope="module")
+def server(loaded: Any) -> Iterator[LiveServer]:
+    engine = load_engine(loaded, ScriptedLLM())
+    with LiveServer(create_app(engine, index_info=loaded.describe())) as live:
+        yield live
+
+
+def _post(server: LiveServer, path: str, **kwargs: Any) -> httpx.Response:
+    return httpx.post(server.url + path, timeout=60, **kwargs)
+
+
+# --- the persisted index --------------------------------------------------------------------------------------
+
+
+def test_a_loaded_index_grades_and_decides_as_the_engine_built_in_memory(loaded: Any, embed_model: Any) -> None:
+    documents = load_documents()
+    in_memory = CorrectiveQueryEngine.from_defaults(
+        index=VectorStoreIndex.from_documents(documents, embed_model=embed_model),
+        llm=MockLLM(),
+        response_synthesizer=NoText(llm=MockLLM()),
+        max_rewrites=0,
+    )
+    served = load_engine(loaded, MockLLM(), response_synthesizer=NoText(llm=MockLLM()), max_rewrites=0)
+    persisted, computed = served.grader.scorer.corpus_stats(), in_memory.grader.scorer.corpus_stats()
+    assert set(persisted["idf"]) == set(computed["idf"])
+    assert list(persisted["idf"].values()) == pytest.approx([computed["idf"][w] for w in persisted["idf"]], abs=1e-5)
+    for q in load_questions()[:12]:
+        a = in_memory.query(q.question).metadata["crag"]
+        b = served.query(q.question).metadata["crag"]
+        assert (a["action"], a["abstained"]) == (b["action"], b["abstained"]), q.question
+        assert [n["doc_id"] for n in a["nodes"]] == [n["doc_id"] for n in b["nodes"]]
+        assert [n["score"] for n in a["nodes"]] == pytest.approx([n["score"] for n in b["nodes"]], abs=1e-3)
+
+
+def test_reingest_embeds_only_what_changed(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The Ostmoor creamery ages Vell Blue for nine weeks in a sandstone cave.")
+    (docs / "b.md").write_text("# Opening hours\n\nThe shop opens at eight and closes at six, Monday to Saturday.")
+    (docs / "c.txt").write_text("Membership of the cooperative costs one share, priced at 1,500 crowns.")
+    (docs / "empty.txt").write_text("   \n")
+    (docs / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    out = tmp_path / "index"
+
+    first = ingest(docs, out, warm_fallback=False)
+    assert sorted(first.added) == ["a.txt", "b.md", "c.txt"]
+    assert any("empty.txt" in s for s in first.skipped) and any("image.png" in s for s in first.skipped)
+    chunk_of = {n.ref_doc_id: n.node_id for n in load_index(out).nodes}
+
+    (docs / "b.md").write_text("# Opening hours\n\nThe shop opens at nine and closes at five, Monday to Friday.")
+    (docs / "c.txt").unlink()
+    (docs / "d.html").write_text("<html><script>alert(1)</script><p>The cave was dug in 1871.</p></html>")
+    second = ingest(docs, out, warm_fallback=False)
+    assert (second.added, second.updated, second.removed, second.unchanged) == (["d.html"], ["b.md"], ["c.txt"], 1)
+
+    again = load_index(out)
+    texts = {n.ref_doc_id: n.get_content() for n in again.nodes}
+    assert set(texts) == {"a.txt", "b.md", "d.html"}
+    assert "nine and closes at five" in texts["b.md"]
+    assert "alert" not in texts["d.html"] and "dug in 1871" in texts["d.html"]
+    assert {n.ref_doc_id: n.node_id for n in again.nodes}["a.txt"] == chunk_of["a.txt"]  # untouched, not re-chunked
+    assert json.loads((out / "manifest.json").read_text())["last_ingest"]["unchanged"] == 1
+
+
+def test_ingest_refuses_what_it_cannot_index(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(IndexFolderError, match="no document with text"):
+        ingest(tmp_path / "empty", tmp_path / "out")
+    with pytest.raises(IndexFolderError, match="not a folder"):
+        ingest(tmp_path / "missing", tmp_path / "out")
+    with pytest.raises(IndexFolderError, match="not an index folder"):
+        load_index(tmp_path / "empty")
+
+
+# --- the API ----------------------------------------------------------------------------------------------------
+
+
+def test_query_returns_answer_sources_and_the_whole_trace(server: LiveServer) -> None:
+    reply = _post(server, "/query", json={"query": ANSWERED})
+    assert reply.status_code == 200
+    body = reply.json()
+    assert body["query"] == ANSWERED and body["crag"]["query"] == ANSWERED
+    assert body["action"] in ("correct", "ambiguous") and not body["abstained"] and body["answer"]
+    assert body["sources"] and {"id", "doc_id", "excerpt", "score", "label", "origin"} <= set(body["sources"][0])
+    assert body["sources"][0]["origin"] == "primary"
+    assert {"upper", "lower"} <= set(body["crag"]["thresholds"]) and "crag_ms" in body["crag"]["timings_ms"]
+
+    refused = _post(server, "/query", json={"query": OUT_OF_CORPUS}).json()
+    assert refused["abstained"] and refused["action"] == "incorrect" and refused["sources"] == []
+    assert refused["crag"]["fallback_sources"] and refused["crag"]["abstain_reason"]
+
+    explained = _post(server, "/query", json={"query": ANSWERED, "explain": True}).json()
+    assert all(n["explanation"] for n in explained["crag"]["nodes"])
+    assert body["crag"]["nodes"][0]["explanation"] is None  # explanations only when asked
+
+
+def test_streaming_query_sends_tokens_then_the_result(server: LiveServer) -> None:
+    events: List[Dict[str, Any]] = []
+    with httpx.stream("POST", server.url + "/query", json={"query": ANSWERED, "stream": True}, timeout=60) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        kind = None
+        for line in reply.iter_lines():
+            if line.startswith("event:"):
+                kind = line.split(":", 1)[1].strip()
+            elif line.startswith("data:"):
+                events.append({"event": kind, "data": json.loads(line.split(":", 1)[1])})
+    kinds = [e["event"] for e in events]
+    assert kinds[-1] == "result" and set(kinds[:-1]) == {"token"} and len(kinds) > 2
+    streamed = "".join(e["data"]["text"] for e in events[:-1])
+    assert events[-1]["data"]["answer"] == streamed and events[-1]["data"]["crag"]["query"] == ANSWERED
+
+
+def test_openai_sdk_uses_the_engine_as_a_model(server: LiveServer) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    completion = client.chat.completions.create(
+        model="llama-index-crag",
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": OUT_OF_CORPUS}],
+    )
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].message.content.startswith("I don't know")  # an abstention is an ordinary message
+    extra = completion.model_extra or {}
+    assert extra["crag"]["abstained"] and extra["crag"]["query"] == OUT_OF_CORPUS
+
+    stream = client.chat.completions.create(
+        model="llama-index-crag", messages=[{"role": "user", "content": ANSWERED}], stream=True
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text and chunks[-1].choices[0].finish_reason == "stop"
+    assert (chunks[-1].model_extra or {})["crag"]["query"] == ANSWERED
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({}, 422, "invalid_request"),
+        ({"query": ""}, 400, "empty_query"),
+        ({"query": "   "}, 400, "empty_query"),
+        ({"query": 42}, 422, "invalid_request"),
+        ({"query": ["a"]}, 422, "invalid_request"),
+        ({"query": "x", "explain": "yes"}, 422, "invalid_request"),
+        ({"query": "x", "unknown": 1}, 422, "invalid_request"),
+        ({"query": "x" * 4001}, 400, "query_too_long"),
+    ],
+)
+def test_bad_query_requests_get_clear_json_errors(
+    server: LiveServer, body: Dict[str, Any], status: int, code: str
+) -> None:
+    reply = _post(server, "/query", json=body)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert error["code"] == code and error["message"]
+
+
+def test_malformed_and_oversized_requests(server: LiveServer) -> None:
+    broken = _post(server, "/query", content=b'{"query": "unterminated', headers={"content-type": "application/json"})
+    assert broken.status_code == 422 and broken.json()["error"]["code"] == "invalid_request"
+    big = _post(server, "/query", json={"query": "x", "pad": "y" * 70_000})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the limit counts the bytes as they come
+        yield b'{"query": "'
+        for _ in range(100):
+            yield b"z" * 1000
+        yield b'"}'
+
+    streamed = _post(server, "/query", content=chunked(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413
+    assert _post(server, "/v1/chat/completions", json={"messages": []}).status_code == 422
+    no_user = _post(server, "/v1/chat/completions", json={"messages": [{"role": "system", "content": "hi"}]})
+    assert no_user.status_code == 400 and no_user.json()["error"]["code"] == "no_user_message"
+    assert httpx.get(server.url + "/query").status_code == 405
+    assert httpx.get(server.url + "/nowhere").json()["error"]["code"] == "not_found"
+    assert httpx.get(server.url + "/healthz").status_code == 200  # still up
+
+
+def test_recent_queries_and_metrics(loaded: Any) -> None:
+    engine = load_engine(loaded, ScriptedLLM())
+    with LiveServer(create_app(engine, ServerConfig(rate_window_s=600))) as live:
+        for q in (ANSWERED, OUT_OF_CORPUS, ANSWERED, OUT_OF_CORPUS):
+            assert _post(live, "/query", json={"query": q}).status_code == 200
+        recent = httpx.get(live.url + "/recent").json()["queries"]
+        assert [r["query"] for r in recent] == [OUT_OF_CORPUS, ANSWERED, OUT_OF_CORPUS, ANSWERED]
+        full = httpx.get(f"{live.url}/queries/{recent[0]['id']}").json()
+        assert full["crag"]["query"] == OUT_OF_CORPUS and full["abstained"]
+        metrics = httpx.get(live.url + "/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines() if line and line[0] != "#"}
+    assert values["crag_refusal_rate"] == 0.5 and values["crag_fallback_rate"] == 0.5
+    assert values["crag_window_queries"] == 4
+    assert values['crag_actions_total{abstained="true",action="incorrect"}'] >= 2
+    assert any(k.startswith("crag_query_seconds_bucket") for k in values)
+    assert values['crag_http_requests_total{route="/query",status="200"}'] >= 4
+
+
+def test_api_key_guards_every_route_but_healthz(loaded: Any) -> None:
+    engine = load_engine(loaded, ScriptedLLM())
+    with LiveServer(create_app(engine, ServerConfig(api_key="s3cret"))) as live:
+        assert httpx.post(live.url + "/query", json={"query": ANSWERED}).status_code == 401
+        assert httpx.get(live.url + "/metrics").status_code == 401
+        assert httpx.get(live.url + "/recent", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(live.url + "/healthz").status_code == 200
+        ok = httpx.post(
+            live.url + "/query", json={"query": ANSWERED}, headers={"Authorization": "Bearer s3cret"}, timeout=60
+        )
+        assert ok.status_code == 200
+        assert httpx.get(live.url + "/metrics", headers={"X-API-Key": "s3cret"}).status_code == 200
+
+
+def test_cors_is_off_unless_configured(server: LiveServer, loaded: Any) -> None:
+    origin = {"Origin": "http://elsewhere.example"}
+    assert "access-control-allow-origin" not in httpx.get(server.url + "/healthz", headers=origin).headers
+    engine = load_engine(loaded, ScriptedLLM())
+    with LiveServer(create_app(engine, ServerConfig(cors_origins=["http://elsewhere.example"]))) as live:
+        allowed = httpx.get(live.url + "/healthz", headers=origin).headers
+        assert allowed["access-control-allow-origin"] == "http://elsewhere.example"
+
+
+def test_a_dead_generator_gives_503_naming_it_and_the_server_stays_up(loaded: Any) -> None:
+    from llama_index.llms.ollama import Ollama
+
+    from llama_index_crag.server.app import Generator
+    from llama_index_crag.server.main import ServeOptions, build_llm
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    llm, generator = build_llm(ServeOptions(index="", llm="ollama", model="qwen2.5:3b", ollama_url=dead))
+    assert isinstance(llm, Ollama) and isinstance(generator, Generator)
+    engine = load_engine(loaded, llm)
+    with LiveServer(create_app(engine, generator=generator)) as live:
+        reply = _post(live, "/query", json={"query": ANSWERED})
+        assert reply.status_code == 503
+        assert (
+            "qwen2.5:3b" in reply.json()["error"]["message"]
+            and reply.json()["error"]["code"] == "generator_unavailable"
+        )
+        streamed = _post(live, "/query", json={"query": ANSWERED, "stream": True})
+        assert streamed.status_code == 503
+        health = httpx.get(live.url + "/healthz")
+        assert health.status_code == 503 and not health.json()["generator"]["ready"] and dead in health.text
+        # An abstention needs no generator: the server keeps answering what it can.
+        assert _post(live, "/query", json={"query": OUT_OF_CORPUS}).json()["abstained"]
+
+
+@pytest.mark.slow
+def test_a_query_past_its_budget_is_cut_off_and_the_server_stays_up(loaded: Any) -> None:
+    """A generator that hangs (the loopback Ollama server's hang mode) hits the query budget: 504."""
+    from llama_index.llms.ollama import Ollama
+
+    with OllamaServer(mode="hang") as ollama:
+        llm = Ollama(model=ollama.model_name, base_url=ollama.url, request_timeout=30.0)
+        engine = load_engine(loaded, llm)
+        with LiveServer(create_app(engine, ServerConfig(query_timeout_s=2.0))) as live:
+            started = time.monotonic()
+            reply = _post(live, "/query", json={"query": ANSWERED})
+            assert reply.status_code == 504 and reply.json()["error"]["code"] == "query_timeout"
+            assert time.monotonic() - started < 10
+            assert httpx.get(live.url + "/recent").status_code == 200
+
+
+# --- several workers under load ----------------------------------------------------------------------------------
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes], seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"llama-crag serve exited with {process.returncode}")
+        try:
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("llama-crag serve did not become ready")
+
+
+@pytest.mark.slow
+def test_several_workers_under_concurrent_load_answer_without_errors_or_cross_talk(index_dir: Path) -> None:
+    """50 concurrent clients, 200 queries, two worker processes over one index folder (grading only)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llama_index_crag.cli",
+            "serve",
+            "--index",
+            str(index_dir),
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+            "--llm",
+            "none",
+            "--log-level",
+            "warning",
+        ],
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        start_new_session=True,
+    )
+    try:
+        _wait_ready(url, process)
+        questions = [q.question for q in load_questions()] + [OUT_OF_CORPUS]
+        asked = [f"{questions[i % len(questions)]} (#{i})" for i in range(200)]
+
+        def ask(query: str) -> Dict[str, Any]:
+            with httpx.Client(timeout=120) as client:
+                reply = client.post(url + "/query", json={"query": query})
+            return {"status": reply.status_code, "sent": query, "body": reply.json()}
+
+        with ThreadPoolExecutor(max_workers=50) as pool:
+            results = list(pool.map(ask, asked))
+        assert [r["status"] for r in results] == [200] * len(asked)
+        assert all(r["body"]["query"] == r["sent"] == r["body"]["crag"]["query"] for r in results)  # no cross-talk
+        metrics = httpx.get(url + "/metrics").text
+        total = sum(
+            float(line.split(" ")[1]) for line in metrics.splitlines() if line.startswith("crag_actions_total{")
+        )
+        assert total == len(asked)  # counted once each, across both workers
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
