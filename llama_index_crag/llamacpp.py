@@ -95,7 +95,8 @@ class BundledLlamaCPP(LlamaCPP):
         **prompt_args: Any,
     ) -> Model:
         grammar = json_grammar(output_cls.model_json_schema())
-        text = self.completion_to_prompt(prompt.format(llm=self, **prompt_args))
+        to_prompt = self.completion_to_prompt or chatml_completion_to_prompt
+        text = to_prompt(prompt.format(llm=self, **prompt_args))
         with self._lock:
             out = self._model(prompt=text, grammar=grammar, max_tokens=self.max_new_tokens, temperature=0.0)
         return output_cls.model_validate_json(out["choices"][0]["text"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from types import TracebackType
@@ -10,11 +9,7 @@ from typing import Any, Optional
 
 import uvicorn
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from llama_index_crag.server.loadtest import free_port
 
 
 class LiveServer:

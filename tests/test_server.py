@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -21,9 +16,10 @@ from llama_index.core.response_synthesizers.no_text import NoText
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
 from llama_index_crag.server.app import ServerConfig, create_app
+from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
 from llama_index_crag.server.store import IndexFolderError, ingest, load_engine, load_index
 from tests.conftest import ScriptedLLM
-from tests.live_server import LiveServer, free_port
+from tests.live_server import LiveServer
 from tests.ollama_server import OllamaServer
 
 ANSWERED = "Who is the CEO of Harbor Analytics?"
@@ -305,64 +301,14 @@ def test_a_query_past_its_budget_is_cut_off_and_the_server_stays_up(loaded: Any)
 # --- several workers under load ----------------------------------------------------------------------------------
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes], seconds: float = 240) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama-crag serve exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("llama-crag serve did not become ready")
-
-
 @pytest.mark.slow
 def test_several_workers_under_concurrent_load_answer_without_errors_or_cross_talk(index_dir: Path) -> None:
     """50 concurrent clients, 200 queries, two worker processes over one index folder (grading only)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llama_index_crag.cli",
-            "serve",
-            "--index",
-            str(index_dir),
-            "--port",
-            str(port),
-            "--workers",
-            "2",
-            "--llm",
-            "none",
-            "--log-level",
-            "warning",
-        ],
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-        start_new_session=True,
-    )
-    try:
-        _wait_ready(url, process)
-        questions = [q.question for q in load_questions()] + [OUT_OF_CORPUS]
-        asked = [f"{questions[i % len(questions)]} (#{i})" for i in range(200)]
-
-        def ask(query: str) -> Dict[str, Any]:
-            with httpx.Client(timeout=120) as client:
-                reply = client.post(url + "/query", json={"query": query})
-            return {"status": reply.status_code, "sent": query, "body": reply.json()}
-
-        with ThreadPoolExecutor(max_workers=50) as pool:
-            results = list(pool.map(ask, asked))
-        assert [r["status"] for r in results] == [200] * len(asked)
-        assert all(r["body"]["query"] == r["sent"] == r["body"]["crag"]["query"] for r in results)  # no cross-talk
-        metrics = httpx.get(url + "/metrics").text
-        total = sum(
-            float(line.split(" ")[1]) for line in metrics.splitlines() if line.startswith("crag_actions_total{")
-        )
-        assert total == len(asked)  # counted once each, across both workers
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
+    questions = [q.question for q in load_questions()] + [OUT_OF_CORPUS]
+    with ServerProcess(str(index_dir), free_port(), workers=2, extra=["--llm", "none"]) as served:
+        result = run_load(served.url, questions, total=200, concurrency=50)
+        counted = sum(float(line.split(" ")[1]) for line in served.metrics() if line.startswith("crag_actions_total{"))
+    assert result.errors == [] and len(result.outcomes) == 200
+    assert not any(o.cross_talk for o in result.outcomes)
+    assert {o.action for o in result.outcomes} >= {"correct", "incorrect"}
+    assert counted == 200  # each query counted once, across both workers

@@ -23,14 +23,22 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
-from llama_index_crag.calibration.pairs import Pair, PairSet
-from llama_index_crag.scorers.reader import GRADER_FILE, GRADER_VERSION, WEIGHTS_FILE, Reader, base_fingerprint
+from llama_index_crag.calibration.reader_model import (
+    GRADER_FILE,
+    GRADER_VERSION,
+    WEIGHTS_FILE,
+    Reader,
+    base_fingerprint,
+)
+
+if TYPE_CHECKING:  # the loop itself needs torch and transformers only
+    from llama_index_crag.calibration.pairs import Pair, PairSet
 
 CHECKPOINT_FILE = "checkpoint.pt"
 
@@ -52,6 +60,8 @@ class TrainingConfig:
     checkpoint_every: int = 50
     seed: int = 0
     threads: Optional[int] = None
+    #: "cpu" (the point: a grader trained where it will run), or "cuda" where a GPU is at hand.
+    device: str = "cpu"
 
 
 def auroc(labels: Sequence[int], scores: ArrayLike) -> float:
@@ -93,7 +103,7 @@ def train_grader(
     started = time.monotonic()
     budget_s = config.minutes * 60.0
 
-    reader = Reader(base, config.max_length)
+    reader = Reader(base, config.max_length, device=config.device)
     names = reader.trainable(config.train_layers)
     params = [p for p in reader.model.parameters() if p.requires_grad]
     encoder_params = [p for p in reader.encoder.parameters() if p.requires_grad]
@@ -101,7 +111,7 @@ def train_grader(
     negatives = len(pairs.train) - positives
     if not positives or not negatives:
         raise ValueError("training the reader needs both positive and negative pairs")
-    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor(negatives / positives))
+    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor(negatives / positives, device=config.device))
     steps_per_epoch = math.ceil(len(pairs.train) / config.batch_size)
     total_steps = max(1, int(steps_per_epoch * config.epochs))
     # The head starts from nothing and needs larger steps than the pretrained layers under it.
@@ -127,7 +137,7 @@ def train_grader(
     step, best, history, trained_s = 0, -1.0, [], 0.0
     checkpoint = out / CHECKPOINT_FILE
     if checkpoint.exists():
-        saved = torch.load(str(checkpoint), weights_only=False)
+        saved = torch.load(str(checkpoint), weights_only=False, map_location=config.device)
         if saved["config"] != asdict(config) or saved["pairs"] != len(pairs.train):
             raise ValueError(f"{checkpoint} was made with other settings or pairs: remove it to start afresh")
         reader.model.load_state_dict(saved["model"])
@@ -179,7 +189,10 @@ def train_grader(
         reader.model.train()
         rows = [pairs.train[int(i)] for i in order[step * config.batch_size : (step + 1) * config.batch_size]]
         batch = reader.encode([p.query for p in rows], [p.passage for p in rows])
-        loss = loss_fn(reader.logits(batch), torch.tensor([float(p.label) for p in rows]))
+        labels = torch.tensor([float(p.label) for p in rows], device=config.device)
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=config.device.startswith("cuda")):
+            logits = reader.logits(batch)
+        loss = loss_fn(logits.float(), labels)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -199,7 +212,7 @@ def train_grader(
         remember(evaluate(), window_pairs / max(time.monotonic() - window_start, 1e-9))
     save_checkpoint()
 
-    reader.load(out / WEIGHTS_FILE)
+    reader.to("cpu").load(out / WEIGHTS_FILE)
     fp32 = evaluate()
     int8 = evaluate(reader.quantized_encoder())
     description = {

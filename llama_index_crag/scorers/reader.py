@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import json
 import os
 import threading
@@ -14,116 +12,22 @@ import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from numpy.typing import ArrayLike
 
+from llama_index_crag.calibration.reader_model import (
+    GRADER_FILE,
+    GRADER_VERSION,
+    WEIGHTS_FILE,
+    Reader,
+    base_fingerprint,
+)
 from llama_index_crag.scorers.base import sigmoid
 from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer, fit_logistic
 
-GRADER_VERSION = 1
-GRADER_FILE = "grader.json"
-WEIGHTS_FILE = "reader.safetensors"
 READER_FEATURES = FEATURES + ("reader",)
 #: Words per window a passage is read in; a candidate scores as the best of its windows.
 WINDOW_WORDS = 80
 WINDOW_STRIDE = 60
 #: (query, passage) logits kept, so that grading a batch and then explaining or re-scoring it reads it once.
 READ_CACHE_SIZE = 4096
-
-
-def base_fingerprint(base: Path) -> str:
-    """A short hash of the base model's weights: a grader refuses a base other than the one it was trained on."""
-    files = sorted(base.glob("*.safetensors")) or sorted(base.glob("*.bin"))
-    if not files:
-        raise FileNotFoundError(f"no model weights in {base}")
-    digest = hashlib.sha256()
-    for f in files:
-        with f.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]
-
-
-class Reader:
-    """The cross-encoder: an encoder, mean pooling and a linear head over (question, passage) pairs."""
-
-    def __init__(self, base: Path, max_length: int = 128) -> None:
-        import torch
-        from transformers import AutoModel, AutoTokenizer
-
-        self.base = base
-        self.max_length = max_length
-        self.tokenizer = AutoTokenizer.from_pretrained(str(base))
-        self.encoder = AutoModel.from_pretrained(str(base))
-        self.head = torch.nn.Linear(self.encoder.config.hidden_size, 1)
-        torch.nn.init.zeros_(self.head.bias)
-        torch.nn.init.normal_(self.head.weight, std=0.02)
-        self.model = torch.nn.ModuleDict({"encoder": self.encoder, "head": self.head})
-
-    def encode(self, queries: Sequence[str], passages: Sequence[str]) -> Dict[str, Any]:
-        return dict(
-            self.tokenizer(
-                list(queries),
-                list(passages),
-                truncation="longest_first",  # the passage, unless the question is the longer
-                max_length=self.max_length,
-                padding=True,
-                return_tensors="pt",
-            )
-        )
-
-    def logits(self, batch: Dict[str, Any], encoder: Any = None) -> Any:
-        states = (encoder or self.encoder)(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
-        pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-        return self.head(pooled).squeeze(-1)
-
-    def trainable(self, layers: int) -> List[str]:
-        """Freeze all but the top ``layers`` encoder layers (all of them when ``layers`` covers the model)."""
-        total = self.encoder.config.num_hidden_layers
-        names = []
-        for name, param in self.model.named_parameters():
-            train = name.startswith("head.")
-            if ".layer." in name:
-                train = train or int(name.split(".layer.")[1].split(".")[0]) >= total - layers
-            elif layers >= total:
-                train = True
-            param.requires_grad = train
-            if train:
-                names.append(name)
-        return names
-
-    def score(
-        self, queries: Sequence[str], passages: Sequence[str], batch_size: int = 32, encoder: Any = None
-    ) -> np.ndarray:
-        """Logits for pairs, in batches, without gradients."""
-        import torch
-
-        out: List[np.ndarray] = []
-        self.model.eval()
-        with torch.inference_mode():
-            for i in range(0, len(queries), batch_size):
-                batch = self.encode(queries[i : i + batch_size], passages[i : i + batch_size])
-                out.append(self.logits(batch, encoder).float().numpy())
-        return np.concatenate(out) if out else np.zeros(0)
-
-    def quantized_encoder(self) -> Any:
-        """The encoder with its linear layers dynamically quantised to int8 (what inference runs)."""
-
-        import torch
-
-        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(self.encoder), {torch.nn.Linear}, dtype=torch.qint8)
-
-    def save(self, out: Path, names: Sequence[str]) -> None:
-        from safetensors.torch import save_file
-
-        state = self.model.state_dict()
-        save_file({n: state[n].contiguous() for n in names}, str(out / WEIGHTS_FILE))
-
-    def load(self, path: Path) -> None:
-        from safetensors.torch import load_file
-
-        missing = set(load_file(str(path))) - set(self.model.state_dict())
-        if missing:
-            raise ValueError(f"{path} holds weights this reader does not have: {sorted(missing)[:3]}")
-        self.model.load_state_dict(load_file(str(path)), strict=False)
 
 
 def load_reader(

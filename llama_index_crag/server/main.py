@@ -68,8 +68,8 @@ def build_llm(options: ServeOptions) -> Tuple[Any, Any]:
         require_generation(path)
         return BundledLlamaCPP(model_path=path), Generator(f"llama.cpp in process with {path}")
     if options.llm == "auto":
-        llm, described = default_llm(url, options.model or DEFAULT_OLLAMA_MODEL, gguf=options.gguf)
-        return llm, Generator(described)
+        found, described = default_llm(url, options.model or DEFAULT_OLLAMA_MODEL, gguf=options.gguf)
+        return found, Generator(described)
     raise ValueError(f"unknown --llm {options.llm!r}: use auto, ollama, llamacpp or none")
 
 

@@ -1,0 +1,73 @@
+"""The server under load: throughput and p50 / p95 per action, CRAG on against CRAG off, by worker count.
+
+Starts ``llama-crag serve`` over one index folder for each configuration in turn and
+sends the same queries from concurrent clients (the sample questions, in and out of
+the corpus, each made unique). ``--llm none`` (the default here) measures retrieval
+and the corrective loop without generation, so that the comparison is the loop's own
+cost; ``--llm llamacpp`` adds the bundled generator, which then bounds throughput.
+
+    python benchmarks/bench_server.py --index INDEX_DIR [--workers 1,2] [--queries 300] [--clients 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+from llama_index_crag.datasets import SAMPLE_DIR, load_questions
+from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
+from llama_index_crag.server.store import ingest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--index", default="eval-out/sample-index", help="index folder (made from --docs if absent)")
+    parser.add_argument("--docs", default=str(SAMPLE_DIR), help="documents to ingest when --index does not exist")
+    parser.add_argument("--workers", default="1,2", help="worker counts to measure")
+    parser.add_argument("--queries", type=int, default=300, help="queries per configuration")
+    parser.add_argument("--clients", type=int, default=50, help="concurrent clients")
+    parser.add_argument("--llm", default="none", choices=("none", "llamacpp"), help="generator of the server")
+    parser.add_argument("--out", default="eval-out/bench_server", help="folder for bench_server.json and .md")
+    args = parser.parse_args()
+
+    if not (Path(args.index) / "manifest.json").exists():
+        print(ingest(args.docs, args.index).summary())
+    questions = [q.question for q in load_questions(args.docs if Path(args.docs, "questions.jsonl").exists()
+                                                     else SAMPLE_DIR)]  # fmt: skip
+    rows: List[Dict[str, Any]] = []
+    for workers in (int(w) for w in args.workers.split(",")):
+        for crag in (True, False):
+            extra = ["--llm", args.llm] + ([] if crag else ["--disable-crag"])
+            with ServerProcess(args.index, free_port(), workers=workers, extra=extra) as served:
+                run_load(served.url, questions, total=min(20, args.queries), concurrency=4)  # warm each worker
+                result = run_load(served.url, questions, total=args.queries, concurrency=args.clients)
+            summary = {"workers": workers, "crag": crag, **result.summary()}
+            rows.append(summary)
+            print(json.dumps(summary), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_server.json").write_text(json.dumps(rows, indent=2) + "\n")
+    lines = [
+        f"{args.queries} queries from {args.clients} concurrent clients, generator: {args.llm}",
+        "",
+        "| workers | CRAG | queries/s | errors | cross-talk | p50 ms | p95 ms | correct p50 / p95 "
+        "| ambiguous p50 / p95 | incorrect p50 / p95 | disabled p50 / p95 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [
+            f"{r[a]['p50_ms']:.0f} / {r[a]['p95_ms']:.0f} (n={r[a]['n']})" if a in r else "-"
+            for a in ("correct", "ambiguous", "incorrect", "disabled")
+        ]
+        lines.append(
+            f"| {r['workers']} | {'on' if r['crag'] else 'off'} | {r['queries_per_s']} | {r['errors']} | "
+            f"{r['cross_talk']} | {r['all']['p50_ms']:.0f} | {r['all']['p95_ms']:.0f} | " + " | ".join(cells) + " |"
+        )
+    (out / "bench_server.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

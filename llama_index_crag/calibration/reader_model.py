@@ -1,0 +1,122 @@
+"""The reading grader's model: the bundled MiniLM as a cross-encoder with a mean-pooled linear head (torch only).
+
+It depends on torch, transformers and safetensors alone, so that training can run
+where the rest of the library is not installed (a GPU machine, say).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+
+GRADER_VERSION = 1
+GRADER_FILE = "grader.json"
+WEIGHTS_FILE = "reader.safetensors"
+
+
+def base_fingerprint(base: Path) -> str:
+    """A short hash of the base model's weights: a grader refuses a base other than the one it was trained on."""
+    files = sorted(base.glob("*.safetensors")) or sorted(base.glob("*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no model weights in {base}")
+    digest = hashlib.sha256()
+    for f in files:
+        with f.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+class Reader:
+    """The cross-encoder: an encoder, mean pooling and a linear head over (question, passage) pairs."""
+
+    def __init__(self, base: Path, max_length: int = 128, device: str = "cpu") -> None:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        self.base = base
+        self.max_length = max_length
+        self.device = device
+        self.tokenizer = AutoTokenizer.from_pretrained(str(base))
+        self.encoder = AutoModel.from_pretrained(str(base))
+        self.head = torch.nn.Linear(self.encoder.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.bias)
+        torch.nn.init.normal_(self.head.weight, std=0.02)
+        self.model = torch.nn.ModuleDict({"encoder": self.encoder, "head": self.head}).to(device)
+
+    def encode(self, queries: Sequence[str], passages: Sequence[str]) -> Dict[str, Any]:
+        batch = self.tokenizer(
+            list(queries),
+            list(passages),
+            truncation="longest_first",  # the passage, unless the question is the longer
+            max_length=self.max_length,
+            padding=True,
+            return_tensors="pt",
+        )
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def logits(self, batch: Dict[str, Any], encoder: Any = None) -> Any:
+        states = (encoder or self.encoder)(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
+        pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        return self.head(pooled).squeeze(-1)
+
+    def trainable(self, layers: int) -> List[str]:
+        """Freeze all but the top ``layers`` encoder layers (all of them when ``layers`` covers the model)."""
+        total = self.encoder.config.num_hidden_layers
+        names = []
+        for name, param in self.model.named_parameters():
+            train = name.startswith("head.")
+            if ".layer." in name:
+                train = train or int(name.split(".layer.")[1].split(".")[0]) >= total - layers
+            elif layers >= total:
+                train = True
+            param.requires_grad = train
+            if train:
+                names.append(name)
+        return names
+
+    def score(
+        self, queries: Sequence[str], passages: Sequence[str], batch_size: int = 32, encoder: Any = None
+    ) -> np.ndarray:
+        """Logits for pairs, in batches, without gradients."""
+        import torch
+
+        out: List[np.ndarray] = []
+        self.model.eval()
+        with torch.inference_mode():
+            for i in range(0, len(queries), batch_size):
+                batch = self.encode(queries[i : i + batch_size], passages[i : i + batch_size])
+                out.append(self.logits(batch, encoder).float().cpu().numpy())
+        return np.concatenate(out) if out else np.zeros(0)
+
+    def to(self, device: str) -> Reader:
+        """Move the model (training may run on a GPU; int8 inference runs on the CPU)."""
+        self.model.to(device)
+        self.device = device
+        return self
+
+    def quantized_encoder(self) -> Any:
+        """The encoder with its linear layers dynamically quantised to int8 (what inference runs, on the CPU)."""
+
+        import torch
+
+        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(self.encoder), {torch.nn.Linear}, dtype=torch.qint8)
+
+    def save(self, out: Path, names: Sequence[str]) -> None:
+        from safetensors.torch import save_file
+
+        state = self.model.state_dict()
+        save_file({n: state[n].detach().cpu().contiguous() for n in names}, str(out / WEIGHTS_FILE))
+
+    def load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        missing = set(load_file(str(path))) - set(self.model.state_dict())
+        if missing:
+            raise ValueError(f"{path} holds weights this reader does not have: {sorted(missing)[:3]}")
+        self.model.load_state_dict(load_file(str(path), device=str(self.device)), strict=False)
