@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import lzma
 import shutil
 import sys
 import types
@@ -84,7 +85,8 @@ def train(args: argparse.Namespace) -> None:
 
     data = Path(args.data)
     rows: Dict[str, List[Pair]] = {"train": [], "held_out": []}
-    with gzip.open(data / "pairs.jsonl.gz", "rt") as handle:
+    packed = data / "pairs.jsonl.xz"  # xz when gzip's is too large to copy over
+    with (lzma.open(packed, "rt") if packed.exists() else gzip.open(data / "pairs.jsonl.gz", "rt")) as handle:
         for line in handle:
             row = json.loads(line)
             rows[row.pop("split")].append(Pair(**row))
@@ -125,7 +127,8 @@ def train(args: argparse.Namespace) -> None:
     if part:
         save_file(part, str(out.parent / f"part{index}.safetensors"))
     shutil.move(str(out / "grader.json"), str(out.parent / "grader.json"))
-    print(json.dumps({k: info[k] for k in ("steps", "total_steps", "held_out_auroc", "held_out_auroc_int8", "minutes")}))
+    keys = ("steps", "total_steps", "held_out_auroc", "held_out_auroc_int8", "minutes")
+    print(json.dumps({k: info[k] for k in keys}))
 
 
 def import_(args: argparse.Namespace) -> None:
@@ -151,7 +154,8 @@ def import_(args: argparse.Namespace) -> None:
     # Every weight is in the file (all layers were trained): the base only lends its tokenizer and configuration.
     info.update(base_model=f"{base.parent.name}/{base.name}", base_fingerprint=base_fingerprint(base))
     (out / "grader.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(f"Wrote {out}: {len(weights)} tensors; held-out AUROC {info['held_out_auroc']} (int8 {info['held_out_auroc_int8']})")
+    print(f"Wrote {out}: {len(weights)} tensors; held-out AUROC {info['held_out_auroc']} ", end="")
+    print(f"(int8 {info['held_out_auroc_int8']})")
 
 
 def main() -> None:

@@ -206,6 +206,7 @@ def _train_grader(args: argparse.Namespace) -> int:
         minutes=args.minutes,
         seed=args.seed,
         threads=args.threads,
+        device=args.device,
     )
     info = train_grader(pairs, Path(args.out), config=config, progress=args.progress, corpus=str(args.corpus))
     print(
@@ -296,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--train-layers", type=int, default=6, help="top encoder layers trained (6: all of MiniLM)")
     train.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     train.add_argument("--seed", type=int, default=0, help="seed for pairs, order and initialisation")
+    train.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU (inference stays on CPU)")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
     train.set_defaults(run=_train_grader)
 
