@@ -5,7 +5,8 @@ from llama_index_crag.fallback import FallbackRetriever
 from llama_index_crag.grader import Grading, RelevanceGrader, Verdict
 from llama_index_crag.refiner import StripRefiner
 from llama_index_crag.rewrite import QueryRewriter, RewriteError, RewrittenQuery
-from llama_index_crag.settings import CragSettings
+from llama_index_crag.settings import CragSettings, WebSearchSettings
+from llama_index_crag.web import WebSearchRetriever
 
 __all__ = [
     "CorrectiveQueryEngine",
@@ -20,4 +21,6 @@ __all__ = [
     "RewrittenQuery",
     "StripRefiner",
     "Verdict",
+    "WebSearchRetriever",
+    "WebSearchSettings",
 ]

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, Generator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -33,12 +33,14 @@ from llama_index.core.settings import Settings
 from llama_index_crag.fallback import SOURCE_KEY, FallbackRetriever
 from llama_index_crag.grader import Grading, RelevanceGrader, Verdict
 from llama_index_crag.models import describe_llm
+from llama_index_crag.prompts import QUOTED_QA_TEMPLATE, QUOTED_REFINE_TEMPLATE, quote_sources
 from llama_index_crag.refiner import StripRefiner
 from llama_index_crag.rewrite import QueryRewriter, RewriteError
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
-from llama_index_crag.settings import CragSettings, read_calibration
+from llama_index_crag.settings import CragSettings, WebSearchSettings, read_calibration
 from llama_index_crag.trace import CragTrace, NodeGrade
+from llama_index_crag.web.retriever import WebSearchRetriever, collect_web_reports, is_web
 
 dispatcher = get_dispatcher(__name__)
 
@@ -96,6 +98,11 @@ class CorrectiveQueryEngine(BaseQueryEngine):
       the ``FallbackRetriever``, grade again against the user's question, and use the
       result if it clears ``lower``, else abstain.
 
+    With the opt-in web source (``web=``, see ``docs/web.md``) the generator's prompt
+    quotes every source between ``<source>`` tags with its origin and URL, tells it
+    that sources are data and not instructions, and that internal documents win
+    over web pages.
+
     Every failure of the correction path ends in an abstention, never in an answer.
     The decision trace is in ``response.metadata["crag"]``. The sync and async paths
     run the same loop (``_loop``); only the driver that performs its I/O differs.
@@ -131,6 +138,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         self._rewriter = rewriter
         self._synthesizer = response_synthesizer
         self._postprocessors = list(node_postprocessors or [])
+        self._quoting: Optional[BaseSynthesizer] = None
         self.settings = settings
         super().__init__(callback_manager=callback_manager or response_synthesizer.callback_manager)
 
@@ -149,6 +157,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         streaming: bool = False,
         fallback: Optional[BaseRetriever] = None,
         fallback_sources: Sequence[str] = ("bm25", "sentence_window"),
+        web: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
         calibration_path: Optional[str] = None,
         callback_manager: Optional[CallbackManager] = None,
         **settings: Any,
@@ -165,6 +174,11 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         the grader directory in ``CRAG_GRADER`` (``llama-crag train-grader``). Any keyword
         of ``CragSettings`` (``upper``, ``lower``, ``max_rewrites``, ``enabled`` ...)
         may be passed; it wins over ``CRAG_*`` variables and the calibration file.
+
+        ``web`` turns on the web-search source of the fallback (off by default): ``True``,
+        a dict of ``WebSearchSettings`` fields, or the settings themselves; ``CRAG_WEB=on``
+        and ``CRAG_WEB_*`` variables do the same, and ``CRAG_WEB_FORBIDDEN=true`` forbids
+        sending anything whatever the code says.
         """
         llm = llm or _settings_llm()
         unknown = set(settings) - set(CragSettings.model_fields)
@@ -205,6 +219,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         if retriever is None:
             assert index is not None
             retriever = index.as_retriever(similarity_top_k=resolved.similarity_top_k)
+        web_settings = WebSearchSettings.resolve(web)
         if fallback is None:
             if nodes and any(n.get_content().strip() for n in nodes):
                 fallback = FallbackRetriever.from_nodes(
@@ -212,6 +227,12 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 )
             else:
                 fallback = FallbackRetriever({"primary": retriever}, similarity_top_k=resolved.similarity_top_k)
+        if web_settings.enabled:
+            fallback = FallbackRetriever.with_web(
+                fallback,
+                WebSearchRetriever(web_settings, scorer=scorer, strip_min_tokens=resolved.strip_min_tokens),
+                similarity_top_k=resolved.similarity_top_k,
+            )
         synthesizer = response_synthesizer or get_response_synthesizer(
             llm=llm, response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
         )
@@ -366,11 +387,15 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         if trace.abstained:
             response = _abstention(s.abstain_text, bool(getattr(self._synthesizer, "_streaming", False)), is_async)
         else:
+            synthesizer, sources = self._synthesizer, context
+            if any(is_web(n) for n in context):
+                context = sorted(context, key=is_web)
+                synthesizer, sources = self._quoting_synthesizer(), quote_sources(context)
             with trace.timed("generate"):
                 try:
                     response = yield _Io(
-                        _bind(self._synthesizer.synthesize, query_bundle, context),
-                        _bind(self._synthesizer.asynthesize, query_bundle, context),
+                        _bind(synthesizer.synthesize, query_bundle, sources),
+                        _bind(synthesizer.asynthesize, query_bundle, sources),
                     )
                 except Exception as exc:
                     llm = getattr(self._synthesizer, "_llm", None)
@@ -378,6 +403,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                         f"the generator {describe_llm(llm) if llm is not None else ''} failed: "
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
+            response.source_nodes = list(context)
         response.metadata = {**(response.metadata or {}), "crag": trace.to_dict()}
         dispatcher.event(trace.publish())
         return response
@@ -401,7 +427,17 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         if self.settings.hybrid and self._fallback is not None:
             deadline = time.monotonic() + self.settings.correction_timeout_s
             try:
-                context += yield from self._fallback_hits(query_bundle, query_bundle, deadline, trace)
+                search = query_bundle
+                if _searches_web(self._fallback) and self._rewriter is not None and self.settings.max_rewrites > 0:
+                    rewriter = self._rewriter
+                    with trace.timed("rewrite"):
+                        rewritten = yield _Io(
+                            _bind(rewriter.rewrite, query_bundle.query_str),
+                            _bind(rewriter.arewrite, query_bundle.query_str),
+                            _left(deadline),
+                        )
+                    trace.rewrites, trace.rewritten_query, search = 1, rewritten, QueryBundle(rewritten)
+                context += yield from self._fallback_hits(query_bundle, search, deadline, trace)
             except Exception as exc:
                 trace.fallback_error = f"{type(exc).__name__}: {exc}"
         return context
@@ -442,10 +478,11 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 return []
             if hits:
                 return hits
-        trace.abstain(
+        reason = (
             f"after {trace.rewrites} rewrite(s) the fallback's best score "
             f"{trace.retry_score or 0.0:.3f} is still below lower={self._grader.lower:.3f}"
         )
+        trace.abstain(reason + _web_shortfall(trace))
         return []
 
     def _postprocess(
@@ -466,8 +503,14 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         """Retrieve ``search`` through the fallback and keep what grades relevant to ``question``."""
         fallback = self._fallback
         assert fallback is not None
-        with trace.timed("fallback"):
-            hits = yield _Io(_bind(fallback.retrieve, search), _bind(fallback.aretrieve, search), _left(deadline))
+        with collect_web_reports() as reports:
+            try:
+                with trace.timed("fallback"):
+                    hits = yield _Io(
+                        _bind(fallback.retrieve, search), _bind(fallback.aretrieve, search), _left(deadline)
+                    )
+            finally:
+                trace.web.extend(report.to_dict() for report in reports)
         trace.fallback_sources = sorted({h.node.metadata.get(SOURCE_KEY, "fallback") for h in hits})
         with trace.timed("regrade"):
             hits = yield from self._postprocess(hits, question, deadline)
@@ -479,6 +522,35 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         if grading.verdict is Verdict.INCORRECT:
             return []
         return _not_incorrect(hits, grading)
+
+    def _quoting_synthesizer(self) -> BaseSynthesizer:
+        """The synthesizer with the quoted-source templates, for contexts that hold web pages."""
+        if self._quoting is None:
+            quoting = copy.copy(self._synthesizer)
+            prompts = quoting.get_prompts()
+            templates = {"text_qa_template": QUOTED_QA_TEMPLATE, "refine_template": QUOTED_REFINE_TEMPLATE}
+            quoting.update_prompts({k: v for k, v in templates.items() if k in prompts})
+            self._quoting = quoting
+        return self._quoting
+
+
+def _searches_web(retriever: BaseRetriever) -> bool:
+    if isinstance(retriever, FallbackRetriever):
+        return any(_searches_web(r) for r in retriever.retrievers.values())
+    return isinstance(retriever, WebSearchRetriever)
+
+
+def _web_shortfall(trace: CragTrace) -> str:
+    """Why the web gave nothing, for the abstention reason (empty when the web was not asked)."""
+    if not trace.web:
+        return ""
+    last = trace.web[-1]
+    if last["forbidden"] or last["skipped"]:
+        return f"; the web was not searched: {last['skipped']}"
+    if not last["urls_used"]:
+        refused = "; ".join(f"{r['url']}: {r['reason']}" for r in last["refused"][:5])
+        return f"; no web page could be used ({refused or 'the search returned no results'})"
+    return ""
 
 
 def _settings_llm() -> LLM:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Dict, List, Literal, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Literal, Mapping, Optional, Sequence
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.node_parser import SentenceWindowNodeParser
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TextNode
+
+if TYPE_CHECKING:
+    from llama_index_crag.web.retriever import WebSearchRetriever
 
 SOURCE_KEY = "crag_source"
 Mode = Literal["chain", "first"]
@@ -77,8 +80,24 @@ class FallbackRetriever(BaseRetriever):
             elif source == "sentence_window":
                 built[source] = SentenceWindowRetriever(nodes, embed_model, window_size, similarity_top_k)
             else:
-                raise ValueError(f"unknown fallback source {source!r}: use 'bm25' or 'sentence_window'")
+                raise ValueError(
+                    f"unknown fallback source {source!r}: use 'bm25' or 'sentence_window' "
+                    "(the web source is added with FallbackRetriever.with_web, or web= on the engine)"
+                )
         return cls(built, similarity_top_k=similarity_top_k, mode=mode)
+
+    @classmethod
+    def with_web(cls, base: BaseRetriever, web: WebSearchRetriever, similarity_top_k: int = 5) -> FallbackRetriever:
+        """``base``'s sources followed by the opt-in ``"web"`` source.
+
+        The web's strips get room of their own (its ``max_strips``) on top of
+        ``similarity_top_k``, so local results cannot crowd them out before grading.
+        """
+        if isinstance(base, FallbackRetriever):
+            sources, mode = {**base.retrievers, "web": web}, base.mode
+        else:
+            sources, mode = {"fallback": base, "web": web}, "chain"
+        return cls(sources, similarity_top_k=similarity_top_k + web.settings.max_strips, mode=mode)
 
     @classmethod
     def class_name(cls) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Literal, Mapping, Optional
+from typing import Any, Dict, List, Literal, Mapping, Optional, Union
 
 from llama_index.core.bridge.pydantic import BaseModel, Field, ValidationError
 
@@ -88,6 +88,98 @@ class CragSettings(BaseModel):
         if settings.lower > settings.upper:
             raise ValueError(f"CRAG thresholds need lower <= upper, got lower={settings.lower}, upper={settings.upper}")
         return settings
+
+
+WEB_ENV = f"{ENV_PREFIX}WEB"
+WebProvider = Literal["searxng", "tavily", "duckduckgo"]
+
+
+class WebSearchSettings(BaseModel):
+    """The opt-in web-search fallback: provider, allow and deny lists, budgets, privacy.
+
+    Resolved in the same order as ``CragSettings``: constructor, then ``CRAG_WEB``
+    (on/off) and ``CRAG_WEB_<FIELD>`` variables (lists comma-separated), then these
+    defaults. ``forbidden`` is the exception: it is on when any source sets it, so an
+    administrator's ``CRAG_WEB_FORBIDDEN=true`` cannot be overridden by code.
+    """
+
+    enabled: bool = Field(default=False, description="Search the web on the fallback path (CRAG_WEB=on).")
+    forbidden: bool = Field(
+        default=False, description="Send nothing off the machine, whatever else says so (CRAG_WEB_FORBIDDEN=true)."
+    )
+    provider: WebProvider = Field(default="searxng", description="Search provider: searxng, tavily or duckduckgo.")
+    searxng_url: Optional[str] = Field(default=None, description="Base URL of a SearxNG instance with JSON enabled.")
+    tavily_api_key: Optional[str] = Field(default=None, description="Tavily API key (else TAVILY_API_KEY).", repr=False)
+    tavily_url: Optional[str] = Field(default=None, description="Tavily API base URL (default: Tavily's own).")
+    duckduckgo_region: str = Field(default="wt-wt", description="DuckDuckGo region, e.g. us-en, de-de, wt-wt.")
+    allow_domains: List[str] = Field(
+        default_factory=list,
+        description="Only these domains (and their subdomains) are fetched; empty allows any domain not denied.",
+    )
+    deny_domains: List[str] = Field(
+        default_factory=list, description="These domains (and their subdomains) are never fetched; wins over allow."
+    )
+    max_results: int = Field(default=5, ge=1, le=50, description="Search results considered (pages fetched) a query.")
+    max_strips: int = Field(default=8, ge=1, description="Web strips handed to grading a query.")
+    max_page_bytes: int = Field(default=1_000_000, ge=1, description="A page larger than this is refused.")
+    max_total_bytes: int = Field(default=3_000_000, ge=1, description="Bytes read from all pages of one query.")
+    timeout_s: float = Field(default=5.0, gt=0, description="Timeout of every single HTTP call.")
+    deadline_s: float = Field(default=15.0, gt=0, description="Time budget of one web search, pages included.")
+    concurrency: int = Field(default=4, ge=1, le=32, description="Pages fetched at once.")
+    redact_patterns: List[str] = Field(
+        default_factory=list,
+        description="Regular expressions removed from the query before it is sent (in the environment, one a line).",
+    )
+    allow_private_addresses: bool = Field(
+        default=False, description="Fetch loopback and private addresses (tests and intranet search only)."
+    )
+    user_agent: str = Field(default="llama-index-crag web fallback", description="User-Agent of page fetches.")
+
+    @classmethod
+    def resolve(
+        cls,
+        overrides: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
+        environ: Optional[Mapping[str, str]] = None,
+    ) -> WebSearchSettings:
+        """Merge constructor values (a bool is ``enabled``), ``CRAG_WEB*`` variables and defaults."""
+        environ = os.environ if environ is None else environ
+        if isinstance(overrides, WebSearchSettings):
+            given: Dict[str, Any] = overrides.model_dump(exclude_unset=True)
+        elif isinstance(overrides, bool):
+            given = {"enabled": overrides}
+        else:
+            given = dict(overrides or {})
+        unknown = set(given) - set(cls.model_fields)
+        if unknown:
+            raise ValueError(f"unknown web settings {sorted(unknown)}; see WebSearchSettings for the names")
+        merged = _web_from_env(environ)
+        merged.update({k: v for k, v in given.items() if v is not None})
+        merged["forbidden"] = bool(given.get("forbidden")) or bool(_web_from_env(environ).get("forbidden"))
+        try:
+            return cls(**merged)
+        except ValidationError as exc:
+            raise ValueError(f"invalid web settings: {exc}") from exc
+
+
+def _web_from_env(environ: Mapping[str, str]) -> Dict[str, Any]:
+    found: Dict[str, Any] = {}
+    if WEB_ENV in environ:
+        found["enabled"] = _parse_bool("web", environ[WEB_ENV])
+    if environ.get("TAVILY_API_KEY"):
+        found["tavily_api_key"] = environ["TAVILY_API_KEY"]
+    for name, field in WebSearchSettings.model_fields.items():
+        raw = environ.get(f"{WEB_ENV}_{name.upper()}")
+        if raw is None or name == "enabled":
+            continue
+        if field.annotation is bool:
+            found[name] = _parse_bool(f"web_{name}", raw)
+        elif name.endswith("_domains"):
+            found[name] = [item.strip() for item in raw.split(",") if item.strip()]
+        elif name == "redact_patterns":
+            found[name] = [line for line in raw.splitlines() if line.strip()]
+        else:
+            found[name] = raw
+    return found
 
 
 _BOOLEANS = ("enabled", "hybrid", "explain")

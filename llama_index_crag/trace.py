@@ -95,6 +95,8 @@ class CragTrace:
     rewrite_error: Optional[str] = None
     fallback_sources: List[str] = field(default_factory=list)
     fallback_error: Optional[str] = None
+    #: Each web search of the fallback: provider, the exact query sent, pages fetched and refused (see WebReport).
+    web: List[Dict[str, Any]] = field(default_factory=list)
     retry_score: Optional[float] = None
     abstained: bool = False
     abstain_reason: Optional[str] = None
