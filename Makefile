@@ -16,7 +16,7 @@ LLAMA_CPP_CMAKE_ARGS ?= $(shell cat llama_index_crag/llama_cpp_cmake_args.txt)
 LLAMA_CPP_KEY := $(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_CMAKE_ARGS)' | sha1sum | cut -c1-12)
 WHEELHOUSE ?= $(HOME)/.cache/llama-index-crag/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_CPP_KEY)
 
-.PHONY: setup demo test test-fast lint doctor portable-llama-cpp
+.PHONY: setup demo test test-fast lint doctor portable-llama-cpp browser
 
 setup: $(VENV)/.installed
 
@@ -46,10 +46,18 @@ portable-llama-cpp:
 demo: setup
 	$(VENV)/bin/llama-crag demo
 
-test: setup
+# The console's tests run in a real headless browser: Debian's chromium, driven through its chromedriver.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		echo "installing Debian's chromium and chromium-driver for the console's browser tests"; \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver; \
+	fi
+
+test: setup browser
 	$(PY) -m pytest -q
 
-test-fast: setup
+test-fast: setup browser
 	$(PY) -m pytest -q -m "not slow"
 
 doctor: setup

@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2", help="worker counts to measure")
     parser.add_argument("--queries", type=int, default=300, help="queries per configuration")
     parser.add_argument("--clients", type=int, default=50, help="concurrent clients")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every configuration, interleaved (noise)")
     parser.add_argument("--llm", default="none", choices=("none", "llamacpp"), help="generator of the server")
     parser.add_argument("--out", default="eval-out/bench_server", help="folder for bench_server.json and .md")
     args = parser.parse_args()
@@ -37,13 +38,14 @@ def main() -> None:
     questions = [q.question for q in load_questions(args.docs if Path(args.docs, "questions.jsonl").exists()
                                                      else SAMPLE_DIR)]  # fmt: skip
     rows: List[Dict[str, Any]] = []
-    for workers in (int(w) for w in args.workers.split(",")):
-        for crag in (True, False):
+    configurations = [(int(w), crag) for w in args.workers.split(",") for crag in (True, False)]
+    for round_ in range(1, args.rounds + 1):
+        for workers, crag in configurations:
             extra = ["--llm", args.llm] + ([] if crag else ["--disable-crag"])
             with ServerProcess(args.index, free_port(), workers=workers, extra=extra) as served:
                 run_load(served.url, questions, total=min(20, args.queries), concurrency=4)  # warm each worker
                 result = run_load(served.url, questions, total=args.queries, concurrency=args.clients)
-            summary = {"workers": workers, "crag": crag, **result.summary()}
+            summary = {"round": round_, "workers": workers, "crag": crag, **result.summary()}
             rows.append(summary)
             print(json.dumps(summary), flush=True)
     out = Path(args.out)
@@ -52,9 +54,9 @@ def main() -> None:
     lines = [
         f"{args.queries} queries from {args.clients} concurrent clients, generator: {args.llm}",
         "",
-        "| workers | CRAG | queries/s | errors | cross-talk | p50 ms | p95 ms | correct p50 / p95 "
+        "| round | workers | CRAG | queries/s | errors | cross-talk | p50 ms | p95 ms | correct p50 / p95 "
         "| ambiguous p50 / p95 | incorrect p50 / p95 | disabled p50 / p95 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = [
@@ -62,7 +64,8 @@ def main() -> None:
             for a in ("correct", "ambiguous", "incorrect", "disabled")
         ]
         lines.append(
-            f"| {r['workers']} | {'on' if r['crag'] else 'off'} | {r['queries_per_s']} | {r['errors']} | "
+            f"| {r['round']} | {r['workers']} | {'on' if r['crag'] else 'off'} | {r['queries_per_s']} | "
+            f"{r['errors']} | "
             f"{r['cross_talk']} | {r['all']['p50_ms']:.0f} | {r['all']['p95_ms']:.0f} | " + " | ".join(cells) + " |"
         )
     (out / "bench_server.md").write_text("\n".join(lines) + "\n")

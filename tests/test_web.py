@@ -321,6 +321,22 @@ def test_incorrect_branch_answers_from_graded_web_strips_cited_by_url(searxng: A
     json.dumps(trace)
 
 
+def test_the_server_answers_from_the_web_and_says_what_it_sent(searxng: Any, pages: RecordingServer) -> None:
+    """The query server over an engine with the web fallback: web sources carry their URL, the trace what was sent."""
+    import httpx
+
+    from llama_index_crag.server.app import create_app
+    from tests.live_server import LiveServer
+
+    state, searx = searxng
+    state.urls = urls(pages, "/harbor")
+    with LiveServer(create_app(web_engine(searx, RecordingLLM()))) as live:
+        body = httpx.post(live.url + "/query", json={"query": QUESTION}, timeout=60).json()
+    assert not body["abstained"] and body["action"] == "incorrect"
+    assert {(s["origin"], s["url"]) for s in body["sources"]} == {("web", f"{pages.url}/harbor")}
+    assert [w["sent_query"] for w in body["crag"]["web"]] == [REWRITTEN]
+
+
 async def test_async_query_takes_the_same_web_path(searxng: Any, pages: RecordingServer) -> None:
     state, searx = searxng
     state.urls = urls(pages, "/harbor")

@@ -117,8 +117,8 @@ class _BodyLimit:
         self.app, self.limit = app, limit
 
     async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)  # no body is read: the app's receive stays untouched
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         too_big = ApiError(413, "body_too_large", f"the request body is over the limit of {self.limit:,} bytes")
@@ -133,7 +133,7 @@ class _BodyLimit:
             return
         # Read the whole body first (it is small by design), counting as it comes: a chunked body without a
         # Content-Length meets the same limit, and the app never sees a body it would have to refuse half-read.
-        body, more = b"", scope["method"] not in ("GET", "HEAD")
+        body, more = b"", True
         while more:
             message = await receive()
             if message["type"] != "http.request":
