@@ -330,7 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
         "ones are removed.",
     )
     ingest.add_argument("docs", metavar="DOCS_DIR", help="folder of documents")
-    ingest.add_argument("--out", required=True, metavar="INDEX_DIR", help="the index folder to write or update")
+    ingest.add_argument("--out", metavar="INDEX_DIR", help="the index folder to write or update")
+    ingest.add_argument(
+        "--store", metavar="URL", help="write into PostgreSQL with pgvector instead (postgresql://user@host/db)"
+    )
+    ingest.add_argument("--table", default="crag", help="the store's name in PostgreSQL (with --store)")
     ingest.add_argument("--calibration", default=None, help="a calibration file to serve with (llama-crag calibrate)")
     ingest.add_argument("--grader", default=None, help="a grader directory to serve with (llama-crag train-grader)")
     ingest.add_argument("--no-warm", dest="warm", action="store_false", help="do not embed the sentence windows now")
@@ -342,7 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Binds to 127.0.0.1 unless --host says otherwise. Set CRAG_API_KEY to require a key on every "
         "route but /healthz.",
     )
-    serve.add_argument("--index", required=True, help="index folder written by llama-crag ingest")
+    serve.add_argument("--index", default="", help="index folder written by llama-crag ingest")
+    serve.add_argument("--store", default=None, metavar="URL", help="serve a PostgreSQL store instead (ingest --store)")
+    serve.add_argument("--table", default="crag", help="the store's name in PostgreSQL (with --store)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
     serve.add_argument("--workers", type=int, default=1, help="worker processes over the same index folder")
@@ -374,6 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _ingest(args: argparse.Namespace) -> int:
     from llama_index_crag.server.store import ingest
 
+    if bool(args.out) == bool(args.store):
+        raise SystemExit("llama-crag ingest: give either --out INDEX_DIR or --store postgresql://...")
+    if args.store:
+        from llama_index_crag.postgres import PostgresStore
+        from llama_index_crag.postgres import ingest as ingest_store
+
+        stored = ingest_store(args.docs, PostgresStore(args.store, table=args.table), progress=True)
+        print(stored.summary() + f" in {stored.seconds:.1f} s")
+        print(f"Serve it: llama-crag serve --store URL --table {args.table}")
+        return 0
     report = ingest(
         args.docs, args.out, calibration=args.calibration, grader=args.grader, warm_fallback=args.warm, progress=True
     )
@@ -387,9 +403,13 @@ def _ingest(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from llama_index_crag.server.main import ServeOptions, serve
 
+    if bool(args.index) == bool(args.store):
+        raise SystemExit("llama-crag serve: give either --index INDEX_DIR or --store postgresql://...")
     serve(
         ServeOptions(
             index=args.index,
+            store=args.store,
+            table=args.table,
             host=args.host,
             port=args.port,
             workers=args.workers,

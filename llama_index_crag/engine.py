@@ -160,11 +160,14 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         web: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
         calibration_path: Optional[str] = None,
         callback_manager: Optional[CallbackManager] = None,
+        vector_store: Optional[Any] = None,
         **settings: Any,
     ) -> CorrectiveQueryEngine:
         """Build the engine around what the user already has.
 
-        Give an ``index``, a ``retriever`` or ``nodes`` (an in-memory vector index is
+        Give a ``vector_store`` (a ``PGVectorStore`` or ``postgresql://`` URL filled by
+        ``llama-crag ingest --store``: retrieval, fallback and word statistics then stay in
+        PostgreSQL, see ``docs/postgres.md``), an ``index``, a ``retriever`` or ``nodes`` (an in-memory vector index is
         built over them). The fallback retriever is built over the same nodes (taken
         from ``nodes`` or the index's docstore); with no nodes at hand (a remote vector
         store), the rewritten query goes back through the primary retriever.
@@ -180,6 +183,20 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         and ``CRAG_WEB_*`` variables do the same, and ``CRAG_WEB_FORBIDDEN=true`` forbids
         sending anything whatever the code says.
         """
+        if vector_store is not None:  # a PostgreSQL store: the whole loop runs against it (llama_index_crag.postgres)
+            from llama_index_crag.postgres import engine_from_store
+
+            return engine_from_store(
+                vector_store,
+                llm=llm or _settings_llm(),
+                embed_model=embed_model,
+                scorer=scorer,
+                node_postprocessors=node_postprocessors,
+                response_synthesizer=response_synthesizer,
+                calibration_path=calibration_path,
+                callback_manager=callback_manager,
+                **settings,
+            )
         llm = llm or _settings_llm()
         unknown = set(settings) - set(CragSettings.model_fields)
         if unknown:

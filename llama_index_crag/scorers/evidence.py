@@ -63,6 +63,11 @@ def terms(text: str) -> List[str]:
     return [t for t in (_term(m.group(0).lower()) for m in _WORD.finditer(text)) if t]
 
 
+def idf(size: int, document_frequency: int) -> float:
+    """A word's inverse document frequency in a corpus of ``size`` texts, ``document_frequency`` of which hold it."""
+    return math.log((size + 1) / (document_frequency + 0.5))
+
+
 def _expected_type(question: str) -> Optional[re.Pattern[str]]:
     q = question.lower()
     if re.search(r"\b(when|what year|which year|what date|what century)\b", q):
@@ -139,7 +144,7 @@ class EvidenceScorer(RelevanceScorer):
             dict(self.DEFAULT_THRESHOLDS) if self.bi_encoder.default_thresholds is not None else None
         )
         self.rival_means = np.asarray(self.DEFAULT_RIVAL_MEANS, dtype=np.float64)
-        self._idf: Dict[str, float] = {}
+        self._idf: Mapping[str, float] = {}
         self._unseen_idf = 1.0
         self._rare_idf = math.inf
         if corpus is not None:
@@ -152,7 +157,15 @@ class EvidenceScorer(RelevanceScorer):
         for text in texts:
             frequencies.update(set(terms(text)))
             size += 1
-        self._idf = {w: math.log((size + 1) / (c + 0.5)) for w, c in frequencies.items()}
+        return self.use_idf({w: idf(size, c) for w, c in frequencies.items()}, size)
+
+    def use_idf(self, weights: Mapping[str, float], size: int) -> EvidenceScorer:
+        """Weigh words by ``weights`` (word to IDF, as ``idf`` computes it) for a corpus of ``size`` texts.
+
+        ``weights`` may be any mapping: a store that looks words up as they are asked for
+        (``llama_index_crag.postgres.StoredIdf``) serves a corpus too large to hold in memory.
+        """
+        self._idf = weights
         self._unseen_idf = math.log(size + 1) if size else 1.0
         self._rare_idf = math.log((size + 1) / max(1.0, size / 50)) if size else math.inf
         return self

