@@ -22,31 +22,12 @@ import lzma
 import shutil
 import sys
 import types
-from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List
 
 REPO = Path(__file__).resolve().parent.parent
 PART_BYTES = 15 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Pair:
-    query: str
-    passage: str
-    label: int
-    kind: str
-    doc_id: str
-
-
-@dataclass(frozen=True)
-class Pairs:
-    train: List[Pair]
-    held_out: List[Pair]
-
-    def counts(self) -> Dict[str, Dict[str, int]]:
-        return {split: dict(Counter(p.kind for p in getattr(self, split))) for split in ("train", "held_out")}
 
 
 def export(args: argparse.Namespace) -> None:
@@ -81,12 +62,12 @@ def train(args: argparse.Namespace) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from llama_index_crag.calibration.training import TrainingConfig, train_grader
+    from llama_index_crag.calibration.training import Pair, PairSet, TrainingConfig, train_grader
 
     data = Path(args.data)
-    rows: Dict[str, List[Pair]] = {"train": [], "held_out": []}
+    rows: Dict[str, List[Any]] = {"train": [], "held_out": []}
     packed = data / "pairs.jsonl.xz"  # xz when gzip's is too large to copy over
-    with (lzma.open(packed, "rt") if packed.exists() else gzip.open(data / "pairs.jsonl.gz", "rt")) as handle:
+    with lzma.open(packed, "rt") if packed.exists() else gzip.open(data / "pairs.jsonl.gz", "rt") as handle:
         for line in handle:
             row = json.loads(line)
             rows[row.pop("split")].append(Pair(**row))
@@ -107,7 +88,7 @@ def train(args: argparse.Namespace) -> None:
         device="cuda" if torch.cuda.is_available() else "cpu",
     )
     out = Path(args.out)
-    info = train_grader(Pairs(rows["train"], rows["held_out"]), out, base=full, config=config, corpus=args.corpus)
+    info = train_grader(PairSet(rows["train"], rows["held_out"]), out, base=full, config=config, corpus=args.corpus)
     trained = load_file(str(out / "reader.safetensors"))
     (out / "checkpoint.pt").unlink(missing_ok=True)
     (out / "reader.safetensors").unlink()

@@ -563,12 +563,7 @@ class PostgresVectorRetriever(_EmbeddingRetriever):
                 "ORDER BY embedding <=> %s LIMIT %s",
                 (vector, vector, self._top_k),
             ).fetchall()
-        hits = []
-        for text, metadata, embedding, score in rows:
-            node = _node(text, metadata)
-            node.embedding = _floats(embedding)
-            hits.append(NodeWithScore(node=node, score=float(score)))
-        return hits
+        return _hits(rows)
 
 
 class PostgresSentenceWindowRetriever(_EmbeddingRetriever):
@@ -628,12 +623,17 @@ class PostgresFullTextRetriever(_StoreRetriever):
                 ORDER BY score DESC LIMIT %s""",
                 (lexemes, weights, " | ".join(_quoted(lexeme) for lexeme in lexemes), self._top_k),
             ).fetchall()
-        hits = []
-        for text, metadata, embedding, score in rows:
-            node = _node(text, metadata)
-            node.embedding = _floats(embedding)
-            hits.append(NodeWithScore(node=node, score=float(score)))
-        return hits
+        return _hits(rows)
+
+
+def _hits(rows: Sequence[Any]) -> List[NodeWithScore]:
+    """Rows of (text, metadata, embedding, score) as scored nodes that carry their stored vectors."""
+    hits = []
+    for text, metadata, embedding, score in rows:
+        node = _node(text, metadata)
+        node.embedding = _floats(embedding)
+        hits.append(NodeWithScore(node=node, score=float(score)))
+    return hits
 
 
 def _floats(vector: Any) -> Optional[List[float]]:

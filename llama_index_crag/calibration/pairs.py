@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
@@ -41,6 +41,7 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tup
 from tqdm import tqdm
 
 from llama_index_crag.calibration.synthetic import WH_WORDS, load_spacy
+from llama_index_crag.calibration.training import Pair, PairSet
 from llama_index_crag.datasets import load_documents
 
 POSITIVE = "positive"
@@ -65,31 +66,6 @@ _ASKED_TYPES: Dict[str, FrozenSet[str]] = {
 }
 _NEGATION = re.compile(r"\b(not|no|never|without|neither|nor|cannot|n't)\b", re.IGNORECASE)
 _CONTEXT = 8
-
-
-@dataclass(frozen=True)
-class Pair:
-    """A (question, passage) pair: ``label`` 1 when the passage holds the answer; ``kind`` says how it was made."""
-
-    query: str
-    passage: str
-    label: int
-    kind: str
-    doc_id: str
-
-
-@dataclass(frozen=True)
-class PairSet:
-    """Pairs split by document into training and held-out parts, with the count of each kind."""
-
-    train: List[Pair]
-    held_out: List[Pair]
-
-    def counts(self) -> Dict[str, Dict[str, int]]:
-        return {
-            "train": dict(Counter(p.kind for p in self.train)),
-            "held_out": dict(Counter(p.kind for p in self.held_out)),
-        }
 
 
 @dataclass

@@ -20,10 +20,11 @@ import json
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -37,10 +38,32 @@ from llama_index_crag.calibration.reader_model import (
     base_fingerprint,
 )
 
-if TYPE_CHECKING:  # the loop itself needs torch and transformers only
-    from llama_index_crag.calibration.pairs import Pair, PairSet
-
 CHECKPOINT_FILE = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A (question, passage) pair: ``label`` 1 when the passage holds the answer; ``kind`` says how it was made."""
+
+    query: str
+    passage: str
+    label: int
+    kind: str
+    doc_id: str
+
+
+@dataclass(frozen=True)
+class PairSet:
+    """Pairs split by document into training and held-out parts, with the count of each kind."""
+
+    train: List[Pair]
+    held_out: List[Pair]
+
+    def counts(self) -> Dict[str, Dict[str, int]]:
+        return {
+            "train": dict(Counter(p.kind for p in self.train)),
+            "held_out": dict(Counter(p.kind for p in self.held_out)),
+        }
 
 
 @dataclass
