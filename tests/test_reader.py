@@ -23,6 +23,10 @@ from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.scorers.evidence import FEATURES
 from llama_index_crag.scorers.reader import GRADER_FILE, READER_FEATURES, ReaderScorer, load_reader, windows
 
+# The module trains a reader once (60 real steps on CPU): on a loaded 2-core machine that alone can pass the suite's
+# 300 s per-test limit, so this module gets more.
+pytestmark = pytest.mark.timeout(1200)
+
 COOPERATIVE = [
     "The Ostmoor Dairy Cooperative was founded in 1952 by eleven farming families.",
     "Members join the cooperative by buying one share, priced at 1,500 crowns.",
