@@ -73,10 +73,16 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.code, self.message, self.kind = status, code, message, kind
 
+    @classmethod
+    def mid_stream(cls, exc: Exception) -> ApiError:
+        """What a failure after the stream began is reported as (its status line is already sent)."""
+        return exc if isinstance(exc, ApiError) else cls(503, "generator_failed", str(exc), "server_error")
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"type": self.kind, "code": self.code, "message": self.message}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse(
-            {"error": {"type": self.kind, "code": self.code, "message": self.message}}, status_code=self.status
-        )
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 class QueryRequest(BaseModel):
@@ -420,13 +426,7 @@ def create_app(
                     parts.append(token)
                     yield {"event": "token", "data": json.dumps({"text": token})}
             except Exception as exc:
-                error = (
-                    exc if isinstance(exc, ApiError) else ApiError(503, "generator_failed", str(exc), "server_error")
-                )
-                yield {
-                    "event": "error",
-                    "data": json.dumps({"type": error.kind, "code": error.code, "message": error.message}),
-                }
+                yield {"event": "error", "data": json.dumps(ApiError.mid_stream(exc).body()["error"])}
                 return
             yield {"event": "result", "data": json.dumps(service.record(text, "".join(parts), response, started))}
 
@@ -489,12 +489,7 @@ def create_app(
                         )
                     }
             except Exception as exc:
-                error = (
-                    exc if isinstance(exc, ApiError) else ApiError(503, "generator_failed", str(exc), "server_error")
-                )
-                yield {
-                    "data": json.dumps({"error": {"type": error.kind, "code": error.code, "message": error.message}})
-                }
+                yield {"data": json.dumps(ApiError.mid_stream(exc).body())}
                 return
             result = service.record(text, "".join(parts), response, started)
             yield {
