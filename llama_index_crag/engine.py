@@ -38,6 +38,7 @@ from llama_index_crag.refiner import StripRefiner
 from llama_index_crag.rewrite import QueryRewriter, RewriteError
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
+from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.settings import CragSettings, WebSearchSettings, read_calibration
 from llama_index_crag.trace import CragTrace, NodeGrade
 from llama_index_crag.web.retriever import WebSearchRetriever, collect_web_reports, is_web
@@ -205,14 +206,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             nodes = list(index.docstore.docs.values())
         if scorer is None:
             corpus = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes or []]
-            if os.environ.get("CRAG_GRADER"):
-                from llama_index_crag.scorers.reader import ReaderScorer
-
-                scorer = ReaderScorer(os.environ["CRAG_GRADER"], embed_model, corpus=corpus or None)
-            else:
-                from llama_index_crag.scorers.evidence import EvidenceScorer
-
-                scorer = EvidenceScorer(embed_model, corpus=corpus or None)
+            scorer = default_scorer(embed_model, corpus or None)
         calibration_path = calibration_path or os.environ.get("CRAG_CALIBRATION")
         load_state = getattr(scorer, "load_state", None)
         if calibration_path and load_state is not None:
@@ -568,6 +562,21 @@ def _web_shortfall(trace: CragTrace) -> str:
         refused = "; ".join(f"{r['url']}: {r['reason']}" for r in last["refused"][:5])
         return f"; no web page could be used ({refused or 'the search returned no results'})"
     return ""
+
+
+def default_scorer(
+    embed_model: Optional[BaseEmbedding] = None,
+    corpus: Optional[Sequence[str]] = None,
+    grader: Optional[str] = None,
+) -> EvidenceScorer:
+    """The offline default scorer: a ``ReaderScorer`` over ``grader`` (or ``CRAG_GRADER``) when one is named,
+    else the ``EvidenceScorer``; IDF from ``corpus`` when given."""
+    grader = grader or os.environ.get("CRAG_GRADER")
+    if grader:
+        from llama_index_crag.scorers.reader import ReaderScorer
+
+        return ReaderScorer(grader, embed_model, corpus=corpus)
+    return EvidenceScorer(embed_model, corpus=corpus)
 
 
 def _settings_llm() -> LLM:

@@ -20,7 +20,6 @@ hash differs are re-chunked and re-embedded, new ones inserted, vanished ones de
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -273,16 +272,9 @@ def load_index(index_dir: Path | str, embed_model: Optional[BaseEmbedding] = Non
 def load_engine(loaded: LoadedIndex, llm: LLM, **settings: Any) -> Any:
     """The engine over a loaded index: its scorer (the recorded grader, else the evidence scorer) with the
     persisted corpus statistics, its calibration, and the fallback over its chunks."""
-    from llama_index_crag.engine import CorrectiveQueryEngine
-    from llama_index_crag.scorers.evidence import EvidenceScorer
+    from llama_index_crag.engine import CorrectiveQueryEngine, default_scorer
 
-    grader = loaded.manifest.get("grader") or os.environ.get("CRAG_GRADER")
-    if grader:
-        from llama_index_crag.scorers.reader import ReaderScorer
-
-        scorer: EvidenceScorer = ReaderScorer(grader, loaded.embed_model)
-    else:
-        scorer = EvidenceScorer(loaded.embed_model)
+    scorer = default_scorer(loaded.embed_model, grader=loaded.manifest.get("grader"))
     scorer.load_corpus_stats(json.loads((loaded.index_dir / CORPUS_STATS).read_text()))
     return CorrectiveQueryEngine.from_defaults(
         index=loaded.index,
