@@ -89,6 +89,9 @@ class PostgresStore:
         hnsw_ef_construction: HNSW build-time candidate list (pgvector's default 64).
         ef_search: HNSW query-time candidate list, set on every connection (pgvector's default 40).
         pool_size: Connections this process keeps open at most.
+        fulltext_candidates: At most this many chunks are ranked by the full-text fallback:
+            it matches the query's rarest lexemes whose frequencies add up to this, so the
+            cost of a query stays flat as the store grows (see ``PostgresFullTextRetriever``).
     """
 
     def __init__(
@@ -102,7 +105,10 @@ class PostgresStore:
         hnsw_ef_construction: int = 64,
         ef_search: int = 40,
         pool_size: int = 8,
+        fulltext_candidates: int = 1000,
     ) -> None:
+        if fulltext_candidates < 1:
+            raise StoreError(f"fulltext_candidates must be at least 1, not {fulltext_candidates}")
         for name in (table, schema, text_search_config):
             if not _NAME.match(name):
                 raise StoreError(f"{name!r} is not a plain lower-case SQL name: use letters, digits and _")
@@ -110,7 +116,7 @@ class PostgresStore:
         self.table, self.schema, self.embed_dim = table, schema, embed_dim
         self.text_search_config = text_search_config
         self.hnsw_m, self.hnsw_ef_construction, self.ef_search = hnsw_m, hnsw_ef_construction, ef_search
-        self.pool_size = pool_size
+        self.pool_size, self.fulltext_candidates = pool_size, fulltext_candidates
         self._pool: Optional[ConnectionPool] = None
         self._lock = threading.Lock()
 
@@ -596,8 +602,13 @@ class PostgresFullTextRetriever(_StoreRetriever):
     query's lexemes of ``idf * ts_rank`` (``ts_rank`` saturates with repetitions and
     is normalised by the chunk's length, ``idf`` is BM25's, from the lexeme frequency
     table). Lexemes in more than half of the chunks (BM25 gives them next to no weight)
-    are left out of the match, which keeps a query of common words from ranking most
-    of the table. Hits carry their stored embeddings.
+    are left out. Only chunks holding one of the query's rarest lexemes are ranked: the
+    rarest first, as long as their frequencies add up to at most the store's
+    ``fulltext_candidates`` (at least one lexeme, and never more rows than that), since a
+    chunk that holds none of them shares only the low-IDF words and ranks low anyway.
+    That keeps the cost of a query flat as the store grows, where matching every lexeme
+    ranked tens of thousands of chunks. Every query lexeme still counts in the score.
+    Hits carry their stored embeddings.
     """
 
     def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
@@ -614,16 +625,36 @@ class PostgresFullTextRetriever(_StoreRetriever):
             useful = [(lexeme, df) for lexeme, df in found if df <= size / 2] or found
             lexemes = [lexeme for lexeme, _ in useful]
             weights = [math.log(1 + (size - df + 0.5) / (df + 0.5)) for _, df in useful]
+            matched = candidate_lexemes(useful, store.fulltext_candidates)
             rows = conn.execute(
                 f"""WITH t AS (SELECT * FROM unnest(%s::text[], %s::float8[]) AS t(lexeme, idf))
                 SELECT c.text, c.metadata_, c.embedding,
                        (SELECT sum(t.idf * ts_rank(c.text_search_tsv, quote_literal(t.lexeme)::tsquery, 1)) FROM t)
                        AS score
-                FROM {store.name("chunks")} c WHERE c.text_search_tsv @@ %s::tsquery
+                FROM (SELECT text, metadata_, embedding, text_search_tsv FROM {store.name("chunks")}
+                      WHERE text_search_tsv @@ %s::tsquery LIMIT %s) c
                 ORDER BY score DESC LIMIT %s""",
-                (lexemes, weights, " | ".join(_quoted(lexeme) for lexeme in lexemes), self._top_k),
+                (
+                    lexemes,
+                    weights,
+                    " | ".join(_quoted(lexeme) for lexeme in matched),
+                    store.fulltext_candidates,
+                    self._top_k,
+                ),
             ).fetchall()
         return _hits(rows)
+
+
+def candidate_lexemes(lexemes: Sequence[Tuple[str, int]], budget: int) -> List[str]:
+    """The rarest of ``(lexeme, chunk frequency)`` whose frequencies add up to at most ``budget`` (one at least)."""
+    chosen: List[str] = []
+    total = 0
+    for lexeme, df in sorted(lexemes, key=lambda item: (item[1], item[0])):
+        if chosen and total + df > budget:
+            break
+        chosen.append(lexeme)
+        total += df
+    return chosen
 
 
 def _hits(rows: Sequence[Any]) -> List[NodeWithScore]:

@@ -165,6 +165,47 @@ def test_the_full_text_fallback_finds_a_passage_by_its_rare_words(sample_store: 
     assert hits[0].node.embedding is not None  # stored vectors come back for grading
 
 
+def test_the_full_text_fallback_ranks_only_chunks_holding_the_rarest_lexemes_within_its_budget(
+    sample_store: PostgresStore,
+) -> None:
+    document = load_documents()[7]
+    with sample_store.connection() as conn:
+        size = conn.execute(f"SELECT count(*) FROM {sample_store.name('chunks')}").fetchone()[0]
+        frequencies = dict(conn.execute(f"SELECT lexeme, df FROM {sample_store.name('lexemes')}").fetchall())
+        own = {
+            r[0]
+            for r in conn.execute(
+                f"SELECT DISTINCT u.lexeme FROM {sample_store.name('chunks')} c, unnest(c.text_search_tsv) u "
+                "WHERE c.metadata_->>'ref_doc_id' = %s",
+                (document.id_,),
+            )
+        }
+    rare = sorted((w for w in own if frequencies[w] == 1 and w.isalpha()), key=lambda w: (-len(w), w))[0]
+    common = sorted((w for w in frequencies if w not in own and frequencies[w] <= size / 2), key=frequencies.get)[-3:]
+    query = QueryBundle(" ".join([rare, *common]))
+
+    everything = PostgresFullTextRetriever(sample_store, 5).retrieve(query)  # budget above the corpus: all match
+    assert {h.node.ref_doc_id for h in everything} - {document.id_}, "common words should reach other documents"
+    capped_store = PostgresStore(sample_store.url, table=sample_store.table, fulltext_candidates=1)
+    try:
+        capped = PostgresFullTextRetriever(capped_store, 5).retrieve(query)
+    finally:
+        capped_store.close()
+    assert capped and {h.node.ref_doc_id for h in capped} == {document.id_}
+
+
+def test_the_candidate_lexemes_are_the_rarest_within_the_budget_and_never_none() -> None:
+    from llama_index_crag.postgres import candidate_lexemes
+
+    found = [("common", 900), ("rare", 3), ("middling", 200), ("odd", 40)]
+    assert candidate_lexemes(found, 1000) == ["rare", "odd", "middling"]
+    assert candidate_lexemes(found, 243) == ["rare", "odd", "middling"]
+    assert candidate_lexemes(found, 242) == ["rare", "odd"]
+    assert candidate_lexemes([("common", 900)], 10) == ["common"]
+    with pytest.raises(StoreError, match="at least 1"):
+        PostgresStore("postgresql://x@127.0.0.1/y", fulltext_candidates=0)
+
+
 def test_sentence_windows_return_the_sentence_with_its_neighbours(
     sample_store: PostgresStore, embed_model: Any
 ) -> None:
