@@ -283,8 +283,10 @@ def test_a_stock_pgvectorstore_reads_the_store_and_opens_the_engine(
     from llama_index.core import VectorStoreIndex
 
     vector_store = sample_store.vector_store()
-    hits = VectorStoreIndex.from_vector_store(vector_store, embed_model=embed_model).as_retriever().retrieve(
-        "Who is the CEO of Harbor Analytics?"
+    hits = (
+        VectorStoreIndex.from_vector_store(vector_store, embed_model=embed_model)
+        .as_retriever()
+        .retrieve("Who is the CEO of Harbor Analytics?")
     )
     assert hits and "Harbor Analytics" in hits[0].node.get_content()
     engine = CorrectiveQueryEngine.from_defaults(vector_store=vector_store, llm=ScriptedLLM(), embed_model=embed_model)
