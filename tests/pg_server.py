@@ -6,6 +6,10 @@ cluster belongs to the unprivileged ``nobody`` user, every server command runs a
 it, and it runs a copy of the binaries in the cluster's temporary folder (``nobody``
 may not be able to enter the folder that holds the virtualenv). Used by the tests
 (the session fixture ``pg_url``) and by ``benchmarks/bench_postgres.py``.
+
+A watchdog process stops the server and removes its folder when the process that
+started it exits without stopping it (killed, even by SIGKILL), so an interrupted test
+run leaves no PostgreSQL behind.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
@@ -52,6 +57,7 @@ class LocalPostgres:
         self.settings = {"max_connections": "200", "fsync": "off", **(settings or {})}
         self.data: Optional[Path] = None
         self._root: Optional[Path] = None
+        self._watchdog: Optional[subprocess.Popen[bytes]] = None
         self._as_user: Dict[str, Any] = {}
         if os.geteuid() == 0:
             entry = pwd.getpwnam(_UNPRIVILEGED)
@@ -94,11 +100,24 @@ class LocalPostgres:
         )
         import psycopg
 
+        owner = [str(self._as_user["user"]), str(self._as_user["group"])] if self._as_user else []
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.bin / "pg_ctl"), str(self.data)]
+            + [str(self._root), *owner],
+            start_new_session=True,  # a Ctrl-C to the test run's process group does not reach it
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         with psycopg.connect(self.url, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
         return self
 
     def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.kill()
+            self._watchdog.wait()
+            self._watchdog = None
         if self.data is not None and (self.data / "postmaster.pid").exists():
             self._run("pg_ctl", "-w", "-m", "fast", "-D", str(self.data), "stop")
         if self._root is not None:
@@ -110,6 +129,18 @@ class LocalPostgres:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+# Waits for the starting process to go away, then stops the server (fast shutdown) and deletes its folder.
+_WATCHDOG = """
+import os, shutil, subprocess, sys, time
+parent, pg_ctl, data, root = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+owner = {"user": int(sys.argv[5]), "group": int(sys.argv[6])} if len(sys.argv) > 6 else {}
+while os.getppid() == parent:
+    time.sleep(1.0)
+subprocess.run([pg_ctl, "-w", "-m", "fast", "-D", data, "stop"], capture_output=True, timeout=120, **owner)
+shutil.rmtree(root, ignore_errors=True)
+"""
 
 
 @pytest.fixture(scope="session")

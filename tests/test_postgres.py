@@ -326,3 +326,36 @@ def test_ingest_refuses_a_folder_without_documents(pg_url: str, tmp_path: Path) 
     with pytest.raises(IndexFolderError):
         ingest(tmp_path / "empty", PostgresStore(pg_url, table="empty"))
     shutil.rmtree(tmp_path / "empty")
+
+
+def test_a_killed_test_process_leaves_no_postgresql_behind() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psycopg
+
+    script = (
+        "import os, signal, sys\n"
+        "from tests.pg_server import LocalPostgres\n"
+        "server = LocalPostgres().start()\n"
+        "print(server.url, server.data, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    url, data = done.stdout.split()
+    deadline = time.monotonic() + 60
+    while Path(data).exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not Path(data).exists(), "the watchdog should stop the server and remove its folder"
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(url, connect_timeout=5)
