@@ -7,6 +7,12 @@ and the corrective loop without generation, so that the comparison is the loop's
 cost; ``--llm llamacpp`` adds the bundled generator, which then bounds throughput.
 
     python benchmarks/bench_server.py --index INDEX_DIR [--workers 1,2] [--queries 300] [--clients 50]
+
+``--store postgresql://...`` serves a PostgreSQL store instead (``llama-crag ingest
+--store``); ``--store local`` starts a throwaway PostgreSQL with pgvector on a free
+loopback port (as the tests do) and ingests ``--docs`` into it first:
+
+    PYTHONPATH=. python benchmarks/bench_server.py --store local --workers 1,2
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from llama_index_crag.datasets import SAMPLE_DIR, load_questions
 from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
@@ -25,6 +31,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--index", default="eval-out/sample-index", help="index folder (made from --docs if absent)")
     parser.add_argument("--docs", default=str(SAMPLE_DIR), help="documents to ingest when --index does not exist")
+    parser.add_argument("--store", default=None, help="serve a PostgreSQL store (a URL, or 'local' to start one)")
+    parser.add_argument("--table", default="crag", help="the store's name in PostgreSQL (with --store)")
     parser.add_argument("--workers", default="1,2", help="worker counts to measure")
     parser.add_argument("--queries", type=int, default=300, help="queries per configuration")
     parser.add_argument("--clients", type=int, default=50, help="concurrent clients")
@@ -33,26 +41,22 @@ def main() -> None:
     parser.add_argument("--out", default="eval-out/bench_server", help="folder for bench_server.json and .md")
     args = parser.parse_args()
 
-    if not (Path(args.index) / "manifest.json").exists():
-        print(ingest(args.docs, args.index).summary())
-    questions = [q.question for q in load_questions(args.docs if Path(args.docs, "questions.jsonl").exists()
-                                                     else SAMPLE_DIR)]  # fmt: skip
-    rows: List[Dict[str, Any]] = []
-    configurations = [(int(w), crag) for w in args.workers.split(",") for crag in (True, False)]
-    for round_ in range(1, args.rounds + 1):
-        for workers, crag in configurations:
-            extra = ["--llm", args.llm] + ([] if crag else ["--disable-crag"])
-            with ServerProcess(args.index, free_port(), workers=workers, extra=extra) as served:
-                run_load(served.url, questions, total=min(20, args.queries), concurrency=4)  # warm each worker
-                result = run_load(served.url, questions, total=args.queries, concurrency=args.clients)
-            summary = {"round": round_, "workers": workers, "crag": crag, **result.summary()}
-            rows.append(summary)
-            print(json.dumps(summary), flush=True)
+    server: Any = None
+    if args.store == "local":
+        from tests.pg_server import LocalPostgres
+
+        server = LocalPostgres().start()
+    try:
+        rows = measure(args, server.url if server else args.store)
+    finally:
+        if server is not None:
+            server.stop()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_server.json").write_text(json.dumps(rows, indent=2) + "\n")
     lines = [
-        f"{args.queries} queries from {args.clients} concurrent clients, generator: {args.llm}",
+        f"{args.queries} queries from {args.clients} concurrent clients, generator: {args.llm}, "
+        f"served from {'a PostgreSQL store' if args.store else 'an index folder'}",
         "",
         "| round | workers | CRAG | queries/s | errors | cross-talk | p50 ms | p95 ms | correct p50 / p95 "
         "| ambiguous p50 / p95 | incorrect p50 / p95 | disabled p50 / p95 |",
@@ -70,6 +74,37 @@ def main() -> None:
         )
     (out / "bench_server.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def measure(args: argparse.Namespace, store: Optional[str]) -> List[Dict[str, Any]]:
+    """Each configuration (worker count, CRAG on and off) in each round: one summary of ``run_load`` each."""
+    if store is not None:
+        if args.store == "local":
+            from llama_index_crag import postgres
+
+            target = postgres.PostgresStore(store, table=args.table)
+            print(postgres.ingest(args.docs, target).summary())
+            target.close()
+        index, source = "", ["--store", store, "--table", args.table]
+    else:
+        if not (Path(args.index) / "manifest.json").exists():
+            print(ingest(args.docs, args.index).summary())
+        index, source = args.index, []
+    questions = [q.question for q in load_questions(args.docs if Path(args.docs, "questions.jsonl").exists()
+                                                     else SAMPLE_DIR)]  # fmt: skip
+    rows: List[Dict[str, Any]] = []
+    configurations = [(int(w), crag) for w in args.workers.split(",") for crag in (True, False)]
+    for round_ in range(1, args.rounds + 1):
+        for workers, crag in configurations:
+            extra = [*source, "--llm", args.llm] + ([] if crag else ["--disable-crag"])
+            with ServerProcess(index, free_port(), workers=workers, extra=extra) as served:
+                run_load(served.url, questions, total=min(20, args.queries), concurrency=4)  # warm each worker
+                result = run_load(served.url, questions, total=args.queries, concurrency=args.clients)
+            summary = {"round": round_, "workers": workers, "crag": crag, **result.summary()}
+            summary["source"] = "store" if store else "index"
+            rows.append(summary)
+            print(json.dumps(summary), flush=True)
+    return rows
 
 
 if __name__ == "__main__":
