@@ -59,8 +59,8 @@ def main() -> None:
         f"served from {'a PostgreSQL store' if args.store else 'an index folder'}",
         "",
         "| round | workers | CRAG | queries/s | errors | cross-talk | p50 ms | p95 ms | correct p50 / p95 "
-        "| ambiguous p50 / p95 | incorrect p50 / p95 | disabled p50 / p95 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ambiguous p50 / p95 | incorrect p50 / p95 | disabled p50 / p95 | RSS per process, MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = [
@@ -70,7 +70,9 @@ def main() -> None:
         lines.append(
             f"| {r['round']} | {r['workers']} | {'on' if r['crag'] else 'off'} | {r['queries_per_s']} | "
             f"{r['errors']} | "
-            f"{r['cross_talk']} | {r['all']['p50_ms']:.0f} | {r['all']['p95_ms']:.0f} | " + " | ".join(cells) + " |"
+            f"{r['cross_talk']} | {r['all']['p50_ms']:.0f} | {r['all']['p95_ms']:.0f} | "
+            + " | ".join(cells)
+            + f" | {', '.join(f'{m:,.0f}' for m in r['rss_mb'])} |"
         )
     (out / "bench_server.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -100,7 +102,9 @@ def measure(args: argparse.Namespace, store: Optional[str]) -> List[Dict[str, An
             with ServerProcess(index, free_port(), workers=workers, extra=extra) as served:
                 run_load(served.url, questions, total=min(20, args.queries), concurrency=4)  # warm each worker
                 result = run_load(served.url, questions, total=args.queries, concurrency=args.clients)
+                memory = served.memory_mb()
             summary = {"round": round_, "workers": workers, "crag": crag, **result.summary()}
+            summary["rss_mb"] = memory
             summary["source"] = "store" if store else "index"
             rows.append(summary)
             print(json.dumps(summary), flush=True)

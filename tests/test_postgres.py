@@ -314,6 +314,9 @@ def test_serve_store_with_two_workers_answers_a_bounded_load_without_errors(
     extra = ["--store", sample_store.url, "--table", sample_store.table, "--llm", "none"]
     with ServerProcess("", free_port(), workers=2, extra=extra) as server:
         result = run_load(server.url, questions, total=60, concurrency=8)
+        memory = server.memory_mb()
+    assert len(memory) >= 3 and min(memory) > 0, memory  # the supervisor and its two workers, each measured
+    assert sum(m > 300 for m in memory) == 2, f"two workers hold the models, the supervisor does not: {memory}"
     summary = result.summary()
     assert summary["errors"] == 0 and summary["cross_talk"] == 0, summary
     assert summary["queries"] == 60

@@ -15,6 +15,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import httpx
@@ -144,6 +145,24 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self._process.pid, signal.SIGKILL)
                 self._process.wait()
+
+    def memory_mb(self) -> List[float]:
+        """Resident memory (MiB) of each process of the server: the supervisor and its workers (Linux)."""
+        if self._process is None:
+            return []
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) != self._process.pid:  # the process group: the server and its workers
+                    continue
+                status = (stat.parent / "status").read_text()
+            except (OSError, IndexError, ValueError):
+                continue  # it exited meanwhile
+            for line in status.splitlines():
+                if line.startswith("VmRSS:"):
+                    found.append(round(int(line.split()[1]) / 1024.0, 1))
+        return sorted(found)
 
     def metrics(self) -> Iterator[str]:
         yield from httpx.get(self.url + "/metrics", timeout=30).text.splitlines()
