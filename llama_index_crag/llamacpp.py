@@ -6,7 +6,7 @@ import asyncio
 import json
 import re
 import threading
-from typing import Any, Dict, Optional, Sequence, Type
+from typing import Any, Dict, List, Optional, Sequence, Type
 
 from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.llms import ChatMessage
@@ -32,6 +32,39 @@ def json_grammar(schema: Optional[Dict[str, Any]] = None) -> Any:
 
     text = JSON_GBNF if schema is None else json_schema_to_gbnf(json.dumps(schema))
     return LlamaGrammar.from_string(_GRAMMAR_CHAR.sub(lambda _: _JSON_CHAR, text), verbose=False)
+
+
+def close_json_prefix(text: str) -> str:
+    """Close a JSON text cut short (its open string, arrays and objects), as grammar-bound output cut at its token cap.
+
+    The grammar keeps every prefix valid, so closing what is open gives JSON, unless
+    the cut fell between a key and its value or inside a number or literal: that text
+    is returned closed all the same, and fails validation with the parser's message.
+    A small model that rambles inside a string (a rewrite longer than the cap) thus
+    yields the text it wrote so far rather than an error.
+    """
+    closers: List[str] = []
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            closers.append("}" if char == "{" else "]")
+        elif char in "}]" and closers:
+            closers.pop()
+    if in_string:
+        text = (text[:-1] if escaped else text) + '"'
+    text = text.rstrip()
+    if text.endswith(","):
+        text = text[:-1]
+    return text + "".join(reversed(closers))
 
 
 def chatml_messages_to_prompt(messages: Sequence[ChatMessage]) -> str:
@@ -99,7 +132,10 @@ class BundledLlamaCPP(LlamaCPP):
         text = to_prompt(prompt.format(llm=self, **prompt_args))
         with self._lock:
             out = self._model(prompt=text, grammar=grammar, max_tokens=self.max_new_tokens, temperature=0.0)
-        return output_cls.model_validate_json(out["choices"][0]["text"])
+        choice = out["choices"][0]
+        if choice.get("finish_reason") == "length":  # cut at max_new_tokens: a valid prefix, closed if it can be
+            return output_cls.model_validate_json(close_json_prefix(choice["text"]))
+        return output_cls.model_validate_json(choice["text"])
 
     async def astructured_predict(
         self,

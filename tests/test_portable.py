@@ -166,3 +166,21 @@ def test_the_json_grammar_keeps_raw_control_characters_out_of_strings() -> None:
     assert not _GRAMMAR_CHAR.search(fixed) and _JSON_CHAR in fixed
     json_grammar(Note.model_json_schema())  # both compile in llama.cpp
     json_grammar()
+
+
+@pytest.mark.parametrize(
+    "cut, closed",
+    [
+        ('{"query": "harbor analytics chief exec', '{"query": "harbor analytics chief exec"}'),
+        ('{"query": "a \\"quoted', '{"query": "a \\"quoted"}'),
+        ('{"query": "ends in an escape \\', '{"query": "ends in an escape "}'),
+        ('{"items": [{"a": "x"}, {"b": "y', '{"items": [{"a": "x"}, {"b": "y"}]}'),
+        ('{"items": ["x", ', '{"items": ["x"]}'),
+        ('{"done": "yes"}', '{"done": "yes"}'),
+    ],
+)
+def test_a_json_prefix_cut_at_the_token_cap_is_closed(cut: str, closed: str) -> None:
+    from llama_index_crag.llamacpp import close_json_prefix
+
+    assert close_json_prefix(cut) == closed
+    json.loads(closed)

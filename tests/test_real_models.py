@@ -39,6 +39,16 @@ def test_bundled_llama_cpp_returns_schema_valid_json_for_the_rewrite(llama_cpp_l
     assert isinstance(result, RewrittenQuery) and result.query.strip()
 
 
+def test_a_rewrite_cut_at_the_bundled_models_token_cap_still_parses() -> None:
+    from llama_index_crag.llamacpp import BundledLlamaCPP
+
+    short = BundledLlamaCPP(max_new_tokens=6)  # the cap falls inside the query string
+    result = short.structured_predict(
+        RewrittenQuery, DEFAULT_REWRITE_PROMPT, query="What was Harbor Pro churn in Q1 excl. trials?"
+    )
+    assert isinstance(result, RewrittenQuery) and result.query.strip()
+
+
 def test_engine_generates_with_llama_cpp_and_abstains_off_topic(
     sample_index: VectorStoreIndex, llama_cpp_llm: Any
 ) -> None:

@@ -648,7 +648,7 @@ def test_bundled_generator_answers_an_out_of_corpus_question_from_the_web(
 
     state, searx = searxng
     state.urls = urls(pages, "/malicious", "/harbor")
-    # max_rewrites=0: the 135M model's rewrites ramble past its token budget, so the question itself is searched.
+    # max_rewrites=0: the 135M model often returns the question unchanged or an invented answer; search the question.
     engine = CorrectiveQueryEngine.from_defaults(
         nodes=CORPUS, llm=BundledLlamaCPP(), embed_model=embed_model, fallback_sources=("bm25",),
         web=web_settings(searx), max_rewrites=0,
