@@ -1,6 +1,11 @@
 """Corrective RAG for LlamaIndex: grade retrieval, then refine, fall back, rewrite or abstain."""
 
-from llama_index_crag.engine import CorrectiveQueryEngine, GenerationError, InvalidQueryError
+from llama_index_crag.engine import (
+    CorrectiveQueryEngine,
+    GenerationError,
+    InvalidQueryError,
+    RetrievalUnavailableError,
+)
 from llama_index_crag.fallback import FallbackRetriever
 from llama_index_crag.grader import Grading, RelevanceGrader, Verdict
 from llama_index_crag.refiner import StripRefiner
@@ -13,6 +18,7 @@ __all__ = [
     "CragSettings",
     "FallbackRetriever",
     "GenerationError",
+    "RetrievalUnavailableError",
     "Grading",
     "InvalidQueryError",
     "QueryRewriter",

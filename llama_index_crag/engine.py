@@ -54,6 +54,10 @@ class GenerationError(RuntimeError):
     """The generator LLM failed; the message names the model and, where it has one, its server."""
 
 
+class RetrievalUnavailableError(RuntimeError):
+    """The retriever's backing store cannot be reached (a server answers 503); the message names the store."""
+
+
 @dataclass
 class _Io:
     """One piece of I/O the loop hands to a driver: how to do it sync and async, and its time limit."""

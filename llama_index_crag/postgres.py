@@ -43,6 +43,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 
+from llama_index_crag.engine import RetrievalUnavailableError
 from llama_index_crag.fallback import sentence_windows
 from llama_index_crag.scorers.base import RelevanceScorer, node_text
 from llama_index_crag.scorers.bi_encoder import bi_encoder_of
@@ -75,6 +76,10 @@ class StoreError(ValueError):
     """The store is missing, of another format, or was embedded with another model; the message names the fix."""
 
 
+class StoreUnavailableError(StoreError, RetrievalUnavailableError):
+    """The store's PostgreSQL cannot be reached now (down, restarting, or every connection busy past the timeout)."""
+
+
 class PostgresStore:
     """One CRAG store in PostgreSQL: its connection pool, its table names, its schema and its statistics.
 
@@ -89,6 +94,8 @@ class PostgresStore:
         hnsw_ef_construction: HNSW build-time candidate list (pgvector's default 64).
         ef_search: HNSW query-time candidate list, set on every connection (pgvector's default 40).
         pool_size: Connections this process keeps open at most.
+        connect_timeout_s: How long a query waits for a connection before it fails with
+            ``StoreUnavailableError`` (the server answers 503 rather than hanging).
         fulltext_candidates: At most this many chunks are ranked by the full-text fallback:
             it matches the query's rarest lexemes whose frequencies add up to this, so the
             cost of a query stays flat as the store grows (see ``PostgresFullTextRetriever``).
@@ -106,6 +113,7 @@ class PostgresStore:
         ef_search: int = 40,
         pool_size: int = 8,
         fulltext_candidates: int = 1000,
+        connect_timeout_s: float = 5.0,
     ) -> None:
         if fulltext_candidates < 1:
             raise StoreError(f"fulltext_candidates must be at least 1, not {fulltext_candidates}")
@@ -117,6 +125,7 @@ class PostgresStore:
         self.text_search_config = text_search_config
         self.hnsw_m, self.hnsw_ef_construction, self.ef_search = hnsw_m, hnsw_ef_construction, ef_search
         self.pool_size, self.fulltext_candidates = pool_size, fulltext_candidates
+        self.connect_timeout_s = connect_timeout_s
         self._pool: Optional[ConnectionPool] = None
         self._lock = threading.Lock()
 
@@ -179,17 +188,28 @@ class PostgresStore:
                     self.url,
                     min_size=1,
                     max_size=self.pool_size,
-                    kwargs={"autocommit": True},
+                    kwargs={"autocommit": True, "connect_timeout": max(1, round(self.connect_timeout_s))},
                     configure=self._configure,
+                    check=psycopg_pool.ConnectionPool.check_connection,  # one left broken by a restart is replaced
+                    timeout=self.connect_timeout_s,
                     open=True,
                 )
             return self._pool
 
     @contextmanager
     def connection(self) -> Iterator[Connection[Any]]:
-        """A pooled connection (autocommit; use ``conn.transaction()`` for several statements at once)."""
-        with self.pool().connection() as conn:
-            yield conn
+        """A pooled connection (autocommit; use ``conn.transaction()`` for several statements at once).
+
+        Raises ``StoreUnavailableError`` when the server cannot be reached, before or during the work.
+        """
+        psycopg, _, _ = _psycopg()
+        try:
+            with self.pool().connection() as conn:
+                yield conn
+        except psycopg.OperationalError as exc:  # the pool's timeout too (PoolTimeout)
+            raise StoreUnavailableError(
+                f"the PostgreSQL store at {_redacted(self.url)} cannot be reached: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def ensure_extension(self) -> None:
         """Create the ``vector`` extension if the database lacks it (needs the right to create extensions)."""

@@ -92,12 +92,7 @@ class LocalPostgres:
             shutil.copytree(package.parent / f"{package.name}.libs", self._root / "pg" / f"{package.name}.libs")
             self.bin = copy / "bin"
         self._run("initdb", "--auth=trust", "--encoding=utf8", "-U", "postgres", "-D", str(self.data))
-        options = f"-h 127.0.0.1 -p {self.port} -k {self.data} " + " ".join(
-            f"-c {k}={v}" for k, v in self.settings.items()
-        )
-        self._run(
-            "pg_ctl", "-w", "-t", "60", "-o", options, "-l", str(self.data / "log"), "-D", str(self.data), "start"
-        )
+        self.launch()
         import psycopg
 
         owner = [str(self._as_user["user"]), str(self._as_user["group"])] if self._as_user else []
@@ -112,6 +107,21 @@ class LocalPostgres:
         with psycopg.connect(self.url, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
         return self
+
+    def launch(self) -> None:
+        """Start the cluster's server (again, after ``halt``), on the same port."""
+        assert self.data is not None, "start() first"
+        options = f"-h 127.0.0.1 -p {self.port} -k {self.data} " + " ".join(
+            f"-c {k}={v}" for k, v in self.settings.items()
+        )
+        self._run(
+            "pg_ctl", "-w", "-t", "60", "-o", options, "-l", str(self.data / "log"), "-D", str(self.data), "start"
+        )
+
+    def halt(self) -> None:
+        """Stop the server and keep its data, as an outage would (``launch`` brings it back)."""
+        assert self.data is not None, "start() first"
+        self._run("pg_ctl", "-w", "-m", "fast", "-D", str(self.data), "stop")
 
     def stop(self) -> None:
         if self._watchdog is not None:

@@ -362,3 +362,35 @@ def test_a_killed_test_process_leaves_no_postgresql_behind() -> None:
     assert not Path(data).exists(), "the watchdog should stop the server and remove its folder"
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(url, connect_timeout=5)
+
+
+def test_an_unreachable_store_is_a_clear_error_and_the_store_recovers_when_it_is_back(tmp_path: Path) -> None:
+    import httpx
+
+    from llama_index_crag import RetrievalUnavailableError
+    from llama_index_crag.postgres import StoreUnavailableError
+    from llama_index_crag.server.app import ServerConfig, create_app
+    from tests.live_server import LiveServer
+    from tests.pg_server import LocalPostgres
+
+    _copy_sample(tmp_path / "docs", 4)
+    with LocalPostgres() as server:
+        store = PostgresStore(server.url, table="outage", connect_timeout_s=2)
+        ingest(tmp_path / "docs", store)
+        engine = engine_from_store(store, ScriptedLLM(), max_rewrites=0)
+        question = "Who is the CEO of Harbor Analytics?"
+        assert engine.query(question).metadata["crag"]["action"] == "correct"  # type: ignore[index]
+        with LiveServer(create_app(engine, ServerConfig())) as live:
+            server.halt()
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match="cannot be reached") as raised:
+                engine.query(question)
+            assert time.monotonic() - started < 30, "a dead store fails within its timeouts, it does not hang"
+            assert isinstance(raised.value, RetrievalUnavailableError)
+            reply = httpx.post(live.url + "/query", json={"query": question}, timeout=60)
+            assert reply.status_code == 503 and reply.json()["error"]["code"] == "retrieval_unavailable"
+            assert "PostgreSQL store at postgresql://postgres@127.0.0.1" in reply.json()["error"]["message"]
+            server.launch()
+            reply = httpx.post(live.url + "/query", json={"query": question}, timeout=60)
+            assert reply.status_code == 200 and reply.json()["action"] == "correct", reply.text
+        store.close()

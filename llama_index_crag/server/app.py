@@ -41,7 +41,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llama_index_crag.engine import CorrectiveQueryEngine, GenerationError, InvalidQueryError
+from llama_index_crag.engine import (
+    CorrectiveQueryEngine,
+    GenerationError,
+    InvalidQueryError,
+    RetrievalUnavailableError,
+)
 from llama_index_crag.fallback import SOURCE_KEY
 from llama_index_crag.server.metrics import ServerMetrics
 
@@ -200,6 +205,8 @@ class QueryService:
             raise ApiError(400, "invalid_query", str(exc)) from exc
         except GenerationError as exc:
             raise ApiError(503, "generator_unavailable", str(exc), "server_error") from exc
+        except RetrievalUnavailableError as exc:
+            raise ApiError(503, "retrieval_unavailable", str(exc), "server_error") from exc
 
     def _timeout(self) -> ApiError:
         return ApiError(
