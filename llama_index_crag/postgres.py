@@ -646,14 +646,20 @@ class PostgresFullTextRetriever(_StoreRetriever):
             lexemes = [lexeme for lexeme, _ in useful]
             weights = [math.log(1 + (size - df + 0.5) / (df + 0.5)) for _, df in useful]
             matched = candidate_lexemes(useful, store.fulltext_candidates)
+            # Rank on the tsvectors alone, then read text, metadata and vector (TOASTed) of the top k only.
             rows = conn.execute(
-                f"""WITH t AS (SELECT * FROM unnest(%s::text[], %s::float8[]) AS t(lexeme, idf))
-                SELECT c.text, c.metadata_, c.embedding,
-                       (SELECT sum(t.idf * ts_rank(c.text_search_tsv, quote_literal(t.lexeme)::tsquery, 1)) FROM t)
-                       AS score
-                FROM (SELECT text, metadata_, embedding, text_search_tsv FROM {store.name("chunks")}
-                      WHERE text_search_tsv @@ %s::tsquery LIMIT %s) c
-                ORDER BY score DESC LIMIT %s""",
+                f"""WITH t AS MATERIALIZED (
+                    SELECT quote_literal(u.lexeme)::tsquery AS q, u.idf
+                    FROM unnest(%s::text[], %s::float8[]) AS u(lexeme, idf)),
+                candidates AS (
+                    SELECT id, text_search_tsv FROM {store.name("chunks")}
+                    WHERE text_search_tsv @@ %s::tsquery LIMIT %s),
+                ranked AS (
+                    SELECT c.id, (SELECT sum(t.idf * ts_rank(c.text_search_tsv, t.q, 1)) FROM t) AS score
+                    FROM candidates c ORDER BY score DESC LIMIT %s)
+                SELECT chunk.text, chunk.metadata_, chunk.embedding, ranked.score
+                FROM ranked JOIN {store.name("chunks")} chunk ON chunk.id = ranked.id
+                ORDER BY ranked.score DESC""",
                 (
                     lexemes,
                     weights,

@@ -258,6 +258,8 @@ def test_answering_reads_only_what_each_query_needs_never_a_whole_table(sample_s
             conn.execute("SET enable_seqscan = off")  # a small table would be scanned even where an index serves
 
     store = NoSeqScan(sample_store.url, table=sample_store.table)
+    sample_store.close()  # backends flush their table statistics when they exit (the ingest's ones too)
+    time.sleep(1.0)
     before = _seq_scans(sample_store)
     engine = engine_from_store(store, ScriptedLLM(), fallback_sources=("fulltext", "sentence_window"))
     for question in ("Who is the CEO of Harbor Analytics?", "Who wrote the novel Moby-Dick?"):
