@@ -318,7 +318,8 @@ def test_serve_store_with_two_workers_answers_a_bounded_load_without_errors(
         result = run_load(server.url, questions, total=60, concurrency=8)
         memory = server.memory_mb()
     assert len(memory) >= 3 and min(memory) > 0, memory  # the supervisor and its two workers, each measured
-    assert sum(m > 300 for m in memory) == 2, f"two workers hold the models, the supervisor does not: {memory}"
+    *others, first, second = sorted(memory)
+    assert min(first, second) - max(others) > 300, f"two workers hold the models, the supervisors do not: {memory}"
     summary = result.summary()
     assert summary["errors"] == 0 and summary["cross_talk"] == 0, summary
     assert summary["queries"] == 60
@@ -393,6 +394,10 @@ def test_an_unreachable_store_is_a_clear_error_and_the_store_recovers_when_it_is
             assert reply.status_code == 503 and reply.json()["error"]["code"] == "retrieval_unavailable"
             assert "PostgreSQL store at postgresql://postgres@127.0.0.1" in reply.json()["error"]["message"]
             server.launch()
+            back = time.monotonic()
             reply = httpx.post(live.url + "/query", json={"query": question}, timeout=60)
+            while reply.status_code == 503 and time.monotonic() - back < 60:  # the pool reconnects with backoff
+                time.sleep(1.0)
+                reply = httpx.post(live.url + "/query", json={"query": question}, timeout=60)
             assert reply.status_code == 200 and reply.json()["action"] == "correct", reply.text
         store.close()
