@@ -30,6 +30,7 @@ from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 from llama_index.core.settings import Settings
 
+from llama_index_crag.datasets import clean_text
 from llama_index_crag.fallback import SOURCE_KEY, FallbackRetriever
 from llama_index_crag.grader import Grading, RelevanceGrader, Verdict
 from llama_index_crag.models import describe_llm
@@ -362,7 +363,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
 
     def _loop(self, query_bundle: QueryBundle, is_async: bool) -> _Loop:
         """The corrective loop for one query; yields its I/O to the sync or async driver."""
-        _check_query(query_bundle, self.settings.max_query_chars)
+        query_bundle = _checked_query(query_bundle, self.settings.max_query_chars)
         s = self.settings
         trace = CragTrace(
             query=query_bundle.query_str,
@@ -593,14 +594,24 @@ def _settings_llm() -> LLM:
     return llm
 
 
-def _check_query(query_bundle: QueryBundle, max_chars: int) -> None:
-    if not query_bundle.query_str or not query_bundle.query_str.strip():
+def _checked_query(query_bundle: QueryBundle, max_chars: int) -> QueryBundle:
+    """The query with characters no store or tokenizer takes replaced (``clean_text``), or a clear error."""
+    query = clean_text(query_bundle.query_str or "")
+    if not query.strip():
         raise InvalidQueryError("the query is empty: ask a question")
     if len(query_bundle.query_str) > max_chars:
         raise InvalidQueryError(
             f"the query is {len(query_bundle.query_str):,} characters, over the limit of {max_chars:,} "
             "(raise max_query_chars or CRAG_MAX_QUERY_CHARS if this is intended)"
         )
+    if query == query_bundle.query_str:
+        return query_bundle
+    return QueryBundle(
+        query,
+        image_path=query_bundle.image_path,
+        custom_embedding_strs=[clean_text(t) for t in query_bundle.custom_embedding_strs or []] or None,
+        embedding=query_bundle.embedding,
+    )
 
 
 def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:

@@ -43,6 +43,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 
+from llama_index_crag.datasets import clean_text
 from llama_index_crag.engine import RetrievalUnavailableError
 from llama_index_crag.fallback import sentence_windows
 from llama_index_crag.scorers.base import RelevanceScorer, node_text
@@ -637,7 +638,7 @@ class PostgresFullTextRetriever(_StoreRetriever):
             found = conn.execute(
                 f"SELECT DISTINCT u.lexeme, l.df FROM unnest(to_tsvector(%s::regconfig, %s)) u "
                 f"JOIN {store.name('lexemes')} l ON l.lexeme = u.lexeme",
-                (store.text_search_config, query_bundle.query_str),
+                (store.text_search_config, clean_text(query_bundle.query_str)),  # PostgreSQL refuses NUL
             ).fetchall()
             if not found:
                 return []

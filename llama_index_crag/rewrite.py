@@ -6,6 +6,7 @@ from llama_index.core.bridge.pydantic import BaseModel, Field
 from llama_index.core.llms import LLM
 from llama_index.core.prompts import PromptTemplate
 
+from llama_index_crag.datasets import clean_text
 from llama_index_crag.models import describe_llm
 
 DEFAULT_REWRITE_PROMPT = PromptTemplate(
@@ -68,7 +69,7 @@ class QueryRewriter:
 def _checked(query: str, result: object) -> str:
     if not isinstance(result, RewrittenQuery):
         raise RewriteError(f"the rewrite returned {type(result).__name__}, not RewrittenQuery")
-    rewritten = " ".join(result.query.split())
+    rewritten = " ".join(clean_text(result.query).split())
     if not rewritten:
         raise RewriteError("the rewrite was empty")
     if rewritten.casefold() == " ".join(query.split()).casefold():

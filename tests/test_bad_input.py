@@ -12,6 +12,7 @@ from llama_index.core.schema import TextNode
 from llama_index.llms.ollama import Ollama
 
 from llama_index_crag import CorrectiveQueryEngine, GenerationError, InvalidQueryError
+from llama_index_crag.datasets import clean_text
 
 from .conftest import ALPHA, FixedRetriever, ScriptedLLM
 
@@ -25,6 +26,35 @@ def engine(sample_index: VectorStoreIndex) -> CorrectiveQueryEngine:
 def test_empty_or_blank_query_is_refused(engine: CorrectiveQueryEngine, query: str) -> None:
     with pytest.raises(InvalidQueryError, match="the query is empty"):
         engine.query(query)
+
+
+@pytest.mark.parametrize("query", ["\x00", "\x00 \x07\x1b"])
+def test_a_query_of_control_characters_only_is_empty(engine: CorrectiveQueryEngine, query: str) -> None:
+    with pytest.raises(InvalidQueryError, match="the query is empty"):
+        engine.query(query)
+
+
+def test_nul_and_lone_surrogates_in_a_query_are_replaced_not_a_crash(engine: CorrectiveQueryEngine) -> None:
+    response = engine.query("What is the churn\x00of Harbor Pro\ud800?")
+    trace = response.metadata["crag"]
+    assert trace["query"] == "What is the churn of Harbor Pro\ufffd?"
+    assert trace["action"] in ("correct", "ambiguous") and not trace["abstained"]
+
+
+@pytest.mark.parametrize(
+    ("text", "cleaned"),
+    [
+        ("plain text", "plain text"),
+        ("tab\tand\nlines\r\n", "tab\tand\nlines\r\n"),
+        ("nul\x00between", "nul between"),
+        ("bell\x07 del\x7f form\x0c", "bell  del  form "),
+        ("lone \ud800 and \udfff", "lone \ufffd and \ufffd"),
+        ("accents é, CJK 中文, emoji \U0001f600", "accents é, CJK 中文, emoji \U0001f600"),
+    ],
+)
+def test_clean_text_keeps_text_and_replaces_what_stores_and_codecs_refuse(text: str, cleaned: str) -> None:
+    assert clean_text(text) == cleaned
+    clean_text(text).encode("utf-8")  # every result encodes
 
 
 async def test_empty_query_is_refused_async(engine: CorrectiveQueryEngine) -> None:
@@ -108,6 +138,17 @@ def test_an_llm_that_returns_garbage_for_the_rewrite_abstains(sample_index: Vect
     engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llm, fallback_sources=("bm25",))
     trace = engine.query("What is the boiling point of mercury?").metadata["crag"]
     assert trace["abstained"] and "not valid JSON" in trace["abstain_reason"]
+
+
+def test_control_characters_in_a_rewrite_are_cleaned_before_it_is_searched(sample_index: VectorStoreIndex) -> None:
+    question = "What is the boiling point of mercury?"
+    cleaned = ScriptedLLM(rewrite='{"query": "mercury\\u0000boiling\\u001b point"}')
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=cleaned, fallback_sources=("bm25",))
+    assert engine.query(question).metadata["crag"]["rewritten_query"] == "mercury boiling point"
+    empty = ScriptedLLM(rewrite='{"query": "\\u0000 \\u0007"}')
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=empty, fallback_sources=("bm25",))
+    trace = engine.query(question).metadata["crag"]
+    assert trace["abstained"] and "the rewrite was empty" in trace["abstain_reason"]
 
 
 def test_an_llm_that_answers_garbage_is_passed_through_with_its_sources(sample_index: VectorStoreIndex) -> None:

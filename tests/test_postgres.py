@@ -25,7 +25,7 @@ from llama_index_crag.postgres import (
 )
 from llama_index_crag.scorers.evidence import EvidenceScorer, terms
 from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
-from tests.conftest import ScriptedLLM
+from tests.conftest import ScriptedLLM, write_hostile_documents
 from tests.pg_server import pg_url  # noqa: F401  (the session fixture)
 
 
@@ -323,6 +323,27 @@ def test_serve_store_with_two_workers_answers_a_bounded_load_without_errors(
     summary = result.summary()
     assert summary["errors"] == 0 and summary["cross_talk"] == 0, summary
     assert summary["queries"] == 60
+
+
+def test_ingest_takes_documents_with_nul_surrogates_odd_names_and_a_huge_word(
+    pg_url: str,  # noqa: F811
+    embed_model: Any,
+    tmp_path: Path,
+) -> None:
+    folders = write_hostile_documents(tmp_path / "docs")
+    stores = {name: PostgresStore(pg_url, table=f"hostile_{name}") for name in folders}
+    for name, folder in folders.items():
+        report = ingest(folder, stores[name], embed_model)
+        assert report.added and not report.skipped
+    files = PostgresFullTextRetriever(stores["files"], similarity_top_k=2)
+    hits = files.retrieve("Brill\x00Saturdays")  # a NUL in the query too
+    assert hits and "sold in Brill on Saturdays" in hits[0].node.get_content()
+    assert "\ufffd" in PostgresFullTextRetriever(stores["jsonl"], 2).retrieve("rye flour")[0].node.get_content()
+    with stores["files"].connection() as conn:
+        ids = {row[0] for row in conn.execute(f"SELECT ref_doc_id FROM {stores['files'].name('documents')}")}
+    assert ids == {"nul.txt", "word.txt", "latin1-\\xe9t\\xe9.txt"}
+    for store in stores.values():
+        store.close()
 
 
 def test_ingest_refuses_a_folder_without_documents(pg_url: str, tmp_path: Path) -> None:  # noqa: F811

@@ -18,7 +18,7 @@ from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
 from llama_index_crag.server.app import ServerConfig, create_app
 from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
 from llama_index_crag.server.store import IndexFolderError, ingest, load_engine, load_index
-from tests.conftest import ScriptedLLM
+from tests.conftest import ScriptedLLM, write_hostile_documents
 from tests.live_server import LiveServer
 from tests.ollama_server import OllamaServer
 
@@ -100,6 +100,18 @@ def test_reingest_embeds_only_what_changed(tmp_path: Path) -> None:
     assert "alert" not in texts["d.html"] and "dug in 1871" in texts["d.html"]
     assert {n.ref_doc_id: n.node_id for n in again.nodes}["a.txt"] == chunk_of["a.txt"]  # untouched, not re-chunked
     assert json.loads((out / "manifest.json").read_text())["last_ingest"]["unchanged"] == 1
+
+
+def test_ingest_takes_documents_with_nul_surrogates_odd_names_and_a_huge_word(tmp_path: Path) -> None:
+    folders = write_hostile_documents(tmp_path / "docs")
+    texts: Dict[str, str] = {}
+    for name, folder in folders.items():
+        report = ingest(folder, tmp_path / f"index-{name}", warm_fallback=False)
+        assert report.added and not report.skipped
+        texts.update({n.ref_doc_id: n.get_content() for n in load_index(tmp_path / f"index-{name}").nodes})
+    assert "cheese is sold in Brill" in "".join(t for d, t in texts.items() if d == "nul.txt")
+    assert "Caf\ufffd opens at seven" in texts["latin1-\\xe9t\\xe9.txt"]
+    assert "\x00" not in "".join(texts.values()) and "\ufffd" in texts["surrogate"]
 
 
 def test_ingest_refuses_what_it_cannot_index(tmp_path: Path) -> None:
@@ -192,6 +204,18 @@ def test_bad_query_requests_get_clear_json_errors(
     assert reply.status_code == status
     error = reply.json()["error"]
     assert error["code"] == code and error["message"]
+
+
+def test_nul_and_lone_surrogates_in_a_request_are_replaced_or_refused(server: LiveServer) -> None:
+    def raw(path: str, body: bytes) -> httpx.Response:  # httpx cannot encode a lone surrogate: send the bytes
+        return _post(server, path, content=body, headers={"content-type": "application/json"})
+
+    empty = raw("/query", rb'{"query": "\u0000 \u0007"}')
+    assert empty.status_code == 400 and empty.json()["error"]["code"] == "empty_query"
+    odd = raw("/query", rb'{"query": "Who is the CEO\u0000of Harbor\ud800 Analytics?"}')
+    assert odd.status_code == 200 and odd.json()["query"] == "Who is the CEO of Harbor\ufffd Analytics?"
+    chat = raw("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "CEO of Harbor\udfff?\u0000"}]}')
+    assert chat.status_code == 200 and chat.json()["crag"]["query"] == "CEO of Harbor\ufffd? "
 
 
 def test_malformed_and_oversized_requests(server: LiveServer) -> None:

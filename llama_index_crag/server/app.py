@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llama_index_crag.datasets import clean_text
 from llama_index_crag.engine import (
     CorrectiveQueryEngine,
     GenerationError,
@@ -182,6 +183,8 @@ class QueryService:
         return self._variants[key]
 
     def check(self, query: Any) -> str:
+        if isinstance(query, str):
+            query = clean_text(query)
         if not isinstance(query, str) or not query.strip():
             raise ApiError(400, "empty_query", "the query is empty: send a question in the 'query' field")
         if len(query) > self.config.max_query_chars:

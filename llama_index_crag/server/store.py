@@ -31,7 +31,7 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.llms import LLM
 from llama_index.core.schema import BaseNode, MetadataMode
 
-from llama_index_crag.datasets import load_documents
+from llama_index_crag.datasets import clean_text, load_documents
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -84,7 +84,10 @@ def read_documents(source: Path) -> tuple[List[Document], List[str]]:
         return documents, []
     documents, skipped = [], []
     for path in sorted(p for p in source.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        relative = path.relative_to(source).as_posix()
+        # a name that is not UTF-8 keeps its bytes visible (and distinct) as backslash escapes
+        relative = (
+            path.relative_to(source).as_posix().encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        )
         if path.suffix.lower() not in TEXT_SUFFIXES:
             skipped.append(f"{relative} (not a text format: {', '.join(TEXT_SUFFIXES)})")
             continue
@@ -95,6 +98,7 @@ def read_documents(source: Path) -> tuple[List[Document], List[str]]:
         text = raw.decode("utf-8", errors="replace")
         if path.suffix.lower() in (".html", ".htm"):
             text = _html_text(text)
+        text = clean_text(text)
         if not text.strip():
             skipped.append(f"{relative} (empty)")
             continue
@@ -102,7 +106,7 @@ def read_documents(source: Path) -> tuple[List[Document], List[str]]:
             Document(
                 text=text,
                 id_=relative,
-                metadata={"doc_id": relative, "file_name": path.name},
+                metadata={"doc_id": relative, "file_name": relative.rsplit("/", 1)[-1]},
                 excluded_embed_metadata_keys=["doc_id"],
                 excluded_llm_metadata_keys=["doc_id"],
             )
