@@ -335,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--store", metavar="URL", help="write into PostgreSQL with pgvector instead (postgresql://user@host/db)"
     )
     ingest.add_argument("--table", default="crag", help="the store's name in PostgreSQL (with --store)")
+    ingest.add_argument(
+        "--index-precision",
+        choices=("full", "half"),
+        default=None,
+        help="with --store, a new store's HNSW indexes over full vectors or halfvec casts (half the index memory)",
+    )
     ingest.add_argument("--calibration", default=None, help="a calibration file to serve with (llama-crag calibrate)")
     ingest.add_argument("--grader", default=None, help="a grader directory to serve with (llama-crag train-grader)")
     ingest.add_argument("--no-warm", dest="warm", action="store_false", help="do not embed the sentence windows now")
@@ -386,7 +392,8 @@ def _ingest(args: argparse.Namespace) -> int:
         from llama_index_crag.postgres import PostgresStore
         from llama_index_crag.postgres import ingest as ingest_store
 
-        stored = ingest_store(args.docs, PostgresStore(args.store, table=args.table), progress=True)
+        store = PostgresStore(args.store, table=args.table, index_precision=args.index_precision)
+        stored = ingest_store(args.docs, store, progress=True)
         print(stored.summary() + f" in {stored.seconds:.1f} s")
         print(f"Serve it: llama-crag serve --store URL --table {args.table}")
         return 0

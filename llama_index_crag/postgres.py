@@ -61,6 +61,7 @@ FORMAT = 1
 DEFAULT_TABLE = "crag"
 _NAME = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 _INSTALL = "pip install 'llama-index-crag[postgres]'"
+PRECISIONS = ("full", "half")
 
 
 def _psycopg() -> Any:
@@ -100,6 +101,11 @@ class PostgresStore:
         fulltext_candidates: At most this many chunks are ranked by the full-text fallback:
             it matches the query's rarest lexemes whose frequencies add up to this, so the
             cost of a query stays flat as the store grows (see ``PostgresFullTextRetriever``).
+        index_precision: ``"full"`` indexes the vectors as they are stored (4 bytes a
+            dimension); ``"half"`` builds the HNSW indexes over ``halfvec`` casts (2 bytes),
+            about half the index's size and memory, while the table keeps the full vectors
+            for scores and grading. Fixed when the store is created; ``None`` takes what the
+            store was built with (``"full"`` for a new one).
     """
 
     def __init__(
@@ -115,7 +121,10 @@ class PostgresStore:
         pool_size: int = 8,
         fulltext_candidates: int = 1000,
         connect_timeout_s: float = 5.0,
+        index_precision: Optional[str] = None,
     ) -> None:
+        if index_precision not in (None, *PRECISIONS):
+            raise StoreError(f"index_precision must be one of {', '.join(PRECISIONS)}, not {index_precision!r}")
         if fulltext_candidates < 1:
             raise StoreError(f"fulltext_candidates must be at least 1, not {fulltext_candidates}")
         for name in (table, schema, text_search_config):
@@ -127,6 +136,8 @@ class PostgresStore:
         self.hnsw_m, self.hnsw_ef_construction, self.ef_search = hnsw_m, hnsw_ef_construction, ef_search
         self.pool_size, self.fulltext_candidates = pool_size, fulltext_candidates
         self.connect_timeout_s = connect_timeout_s
+        self.index_precision = index_precision
+        self._built_precision: Optional[str] = None
         self._pool: Optional[ConnectionPool] = None
         self._lock = threading.Lock()
 
@@ -142,6 +153,31 @@ class PostgresStore:
             text_search_config=vector_store.text_search_config,
             **kwargs,
         )
+
+    @property
+    def precision(self) -> str:
+        """The precision of the store's vector indexes (``full`` or ``half``), as the store was built."""
+        if self._built_precision is None:
+            built = self.meta().get("index_precision")
+            self._built_precision = built or self.index_precision or "full"
+        return self._built_precision
+
+    def nearest(self, column: str = "embedding") -> str:
+        """SQL ordering rows by cosine distance to the query vector (one ``%s``), in the form the index serves."""
+        if self.precision == "half":
+            d = int(self.embed_dim)
+            return f"{column}::halfvec({d}) <=> %s::halfvec({d})"
+        return f"{column} <=> %s"
+
+    def _check_precision(self, meta: Mapping[str, Any], where: str) -> None:
+        built = meta.get("index_precision", "full" if meta else None)
+        if built and self.index_precision and built != self.index_precision:
+            raise StoreError(
+                f"the store at {where} has {built}-precision vector indexes, not {self.index_precision}: "
+                f"open it with index_precision={built!r} (or None), or ingest into another table"
+            )
+        if built:
+            self._built_precision = built
 
     def name(self, part: str) -> str:
         """The qualified name of one of the store's tables: ``chunks``, ``windows``, ``terms``, ``lexemes``,
@@ -237,8 +273,11 @@ class PostgresStore:
     def create_schema(self) -> None:
         """Create the store's tables and indexes where missing (an existing ``PGVectorStore`` table is kept)."""
         d, cfg = int(self.embed_dim), self.text_search_config
+        meta = self.meta()
+        self._check_precision(meta, f"{_redacted(self.url)} (table {self.table})")
+        precision = meta.get("index_precision") or ("full" if meta else None) or self.index_precision or "full"
         hnsw = (
-            f"USING hnsw (embedding vector_cosine_ops) "
+            f"USING hnsw {self.hnsw_columns(precision)} "
             f"WITH (m = {int(self.hnsw_m)}, ef_construction = {int(self.hnsw_ef_construction)})"
         )
         chunks, windows = self.name("chunks"), self.name("windows")
@@ -253,12 +292,12 @@ class PostgresStore:
                 GENERATED ALWAYS AS (to_tsvector('{cfg}', text)) STORED""",
             f"CREATE INDEX IF NOT EXISTS {short}_idx ON {chunks} USING gin (text_search_tsv)",
             f"CREATE INDEX IF NOT EXISTS {short}_idx_1 ON {chunks} ((metadata_->>'ref_doc_id'))",
-            f"CREATE INDEX IF NOT EXISTS data_{short}_embedding_idx ON {chunks} {hnsw}",
+            f"CREATE INDEX IF NOT EXISTS {self.vector_index('chunks', precision)} ON {chunks} {hnsw}",
             f"""CREATE TABLE IF NOT EXISTS {windows} (
                 id BIGSERIAL PRIMARY KEY, ref_doc_id VARCHAR NOT NULL, node_id VARCHAR NOT NULL,
                 text VARCHAR NOT NULL, window_text VARCHAR NOT NULL, metadata_ JSONB, embedding VECTOR({d}))""",
             f"CREATE INDEX IF NOT EXISTS {short}_windows_doc ON {windows} (ref_doc_id)",
-            f"CREATE INDEX IF NOT EXISTS {short}_windows_embedding ON {windows} {hnsw}",
+            f"CREATE INDEX IF NOT EXISTS {self.vector_index('windows', precision)} ON {windows} {hnsw}",
             f"CREATE TABLE IF NOT EXISTS {self.name('terms')} (term VARCHAR PRIMARY KEY, df INTEGER NOT NULL)",
             f"CREATE TABLE IF NOT EXISTS {self.name('lexemes')} (lexeme VARCHAR PRIMARY KEY, df INTEGER NOT NULL)",
             f"""CREATE TABLE IF NOT EXISTS {self.name("documents")} (
@@ -270,6 +309,20 @@ class PostgresStore:
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (self.name("meta"),))
             for statement in statements:
                 conn.execute(statement)
+        self._built_precision = precision
+
+    def vector_index(self, part: str, precision: Optional[str] = None) -> str:
+        """The (unqualified) name of the HNSW index on ``part`` (``chunks`` or ``windows``) of ``precision``."""
+        suffix = "_half" if (precision or self.precision) == "half" else ""
+        if part == "chunks":
+            return f"data_{self.table}_embedding{suffix}_idx"  # the name PGVectorStore gives its index
+        return f"{self.table}_windows_embedding{suffix}"
+
+    def hnsw_columns(self, precision: str) -> str:
+        """The indexed expression and operator class of HNSW indexes of ``precision``, for ``CREATE INDEX``."""
+        if precision == "half":
+            return f"((embedding::halfvec({int(self.embed_dim)})) halfvec_cosine_ops)"
+        return "(embedding vector_cosine_ops)"
 
     def meta(self) -> Dict[str, Any]:
         """The store's metadata (format, embedding model, chunk count, last ingest); empty for no store."""
@@ -287,6 +340,7 @@ class PostgresStore:
             raise StoreError(f"no CRAG store at {where}: make one with llama-crag ingest DOCS --store URL")
         if meta.get("format") != FORMAT:
             raise StoreError(f"the store at {where} is of format {meta.get('format')}, not {FORMAT}: ingest again")
+        self._check_precision(meta, where)
         if embed_model is not None and Path(meta["embed_model"]).name != Path(embed_model.model_name).name:
             raise StoreError(
                 f"the store at {where} was embedded with {meta['embed_model']}, not {embed_model.model_name}: "
@@ -320,6 +374,7 @@ class PostgresStore:
             "chunks": meta.get("chunks"),
             "updated": meta.get("updated"),
             "embed_model": meta.get("embed_model"),
+            "index_precision": meta.get("index_precision", "full"),
         }
 
 
@@ -410,6 +465,7 @@ def ingest(
             "source": str(Path(source).resolve()),
             "embed_model": embed_model.model_name,
             "embed_dim": store.embed_dim,
+            "index_precision": store.precision,
             "window_size": window_size,
             "documents": int(counts[0]),
             "chunks": int(counts[1]),
@@ -587,7 +643,7 @@ class PostgresVectorRetriever(_EmbeddingRetriever):
         with self._store.connection() as conn:
             rows = conn.execute(
                 f"SELECT text, metadata_, embedding, 1 - (embedding <=> %s) FROM {self._store.name('chunks')} "
-                "ORDER BY embedding <=> %s LIMIT %s",
+                f"ORDER BY {self._store.nearest()} LIMIT %s",
                 (vector, vector, self._top_k),
             ).fetchall()
         return _hits(rows)
@@ -606,7 +662,7 @@ class PostgresSentenceWindowRetriever(_EmbeddingRetriever):
         with self._store.connection() as conn:
             rows = conn.execute(
                 f"SELECT window_text, metadata_, 1 - (embedding <=> %s) FROM {self._store.name('windows')} "
-                "ORDER BY embedding <=> %s LIMIT %s",
+                f"ORDER BY {self._store.nearest()} LIMIT %s",
                 (vector, vector, 2 * self._top_k),
             ).fetchall()
         return [

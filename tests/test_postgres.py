@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
+import numpy as np
 import pytest
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import PrivateAttr
@@ -14,11 +15,13 @@ from llama_index.core.schema import MetadataMode, QueryBundle
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
+from llama_index_crag.embedding_cache import DiskCachedEmbedding
 from llama_index_crag.evaluation.corpus import chunk
 from llama_index_crag.postgres import (
     PostgresFullTextRetriever,
     PostgresSentenceWindowRetriever,
     PostgresStore,
+    PostgresVectorRetriever,
     StoreError,
     engine_from_store,
     ingest,
@@ -60,9 +63,15 @@ class CountingEmbedding(BaseEmbedding):
 
 
 @pytest.fixture(scope="module")
-def sample_store(pg_url: str, embed_model: Any) -> Iterator[PostgresStore]:  # noqa: F811
+def cached_embed(embed_model: Any, tmp_path_factory: pytest.TempPathFactory) -> BaseEmbedding:
+    """The bundled model, keeping the sample's passage vectors for a second store over the same documents."""
+    return DiskCachedEmbedding(embed_model, tmp_path_factory.mktemp("vectors") / "passages.npz")
+
+
+@pytest.fixture(scope="module")
+def sample_store(pg_url: str, cached_embed: BaseEmbedding) -> Iterator[PostgresStore]:  # noqa: F811
     store = PostgresStore(pg_url, table="sample")
-    ingest(SAMPLE_DIR, store, embed_model)
+    ingest(SAMPLE_DIR, store, cached_embed)
     yield store
     store.close()
 
@@ -277,6 +286,43 @@ def _seq_scans(store: PostgresStore) -> Dict[str, int]:
             "SELECT relname, seq_scan FROM pg_stat_user_tables WHERE relname = ANY(%s)", (names,)
         ).fetchall()
     return dict(rows)
+
+
+def test_half_precision_indexes_find_the_same_chunks_with_exact_scores_and_fix_the_stores_precision(
+    sample_store: PostgresStore, embed_model: Any, cached_embed: BaseEmbedding
+) -> None:
+    half = PostgresStore(sample_store.url, table="sample_half", index_precision="half")
+    ingest(SAMPLE_DIR, half, cached_embed)  # the sample's vectors again, from the cache
+    with half.connection() as conn:
+        indexes = [
+            row[0] for row in conn.execute("SELECT indexdef FROM pg_indexes WHERE indexdef LIKE %s", ("%hnsw%",))
+        ]
+        assert sum("sample_half" in i and "halfvec(384)) halfvec_cosine_ops" in i for i in indexes) == 2
+        conn.execute("SET enable_seqscan = off")  # the sample's table is small enough to be scanned otherwise
+        vector = np.asarray(embed_model.get_query_embedding("Who is the CEO of Harbor Analytics?"), dtype=np.float32)
+        plan = conn.execute(
+            f"EXPLAIN SELECT id FROM {half.name('chunks')} ORDER BY {half.nearest()} LIMIT 5", (vector,)
+        )
+        assert "Index Scan using data_sample_half_embedding_half_idx" in "\n".join(r[0] for r in plan)
+    for question in [q.question for q in load_questions()[:8]]:
+        full_hits = PostgresVectorRetriever(sample_store, embed_model, 5).retrieve(question)
+        half_hits = PostgresVectorRetriever(half, embed_model, 5).retrieve(question)
+        assert [h.node.get_content() for h in half_hits] == [h.node.get_content() for h in full_hits], question
+        assert [h.score for h in half_hits] == pytest.approx([h.score for h in full_hits], abs=1e-6)
+        assert half_hits[0].node.embedding == full_hits[0].node.embedding  # the table keeps the full vectors
+    reopened = PostgresStore(sample_store.url, table="sample_half")  # serving takes the store's own precision
+    assert reopened.require()["index_precision"] == "half" and reopened.precision == "half"
+    assert reopened.describe()["index_precision"] == "half"
+    with pytest.raises(StoreError, match="half-precision vector indexes, not full"):
+        PostgresStore(sample_store.url, table="sample_half", index_precision="full").require()
+    with pytest.raises(StoreError, match="full-precision vector indexes, not half"):
+        ingest(
+            SAMPLE_DIR, PostgresStore(sample_store.url, table=sample_store.table, index_precision="half"), embed_model
+        )
+    with pytest.raises(StoreError, match="index_precision must be one of full, half"):
+        PostgresStore(sample_store.url, index_precision="quarter")
+    for store in (half, reopened):
+        store.close()
 
 
 def test_a_stock_pgvectorstore_reads_the_store_and_opens_the_engine(
