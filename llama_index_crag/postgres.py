@@ -162,9 +162,10 @@ class PostgresStore:
             self._built_precision = built or self.index_precision or "full"
         return self._built_precision
 
-    def nearest(self, column: str = "embedding") -> str:
-        """SQL ordering rows by cosine distance to the query vector (one ``%s``), in the form the index serves."""
-        if self.precision == "half":
+    def nearest(self, column: str = "embedding", precision: Optional[str] = None) -> str:
+        """SQL ordering rows by cosine distance to the query vector (one ``%s``), in the form that the store's
+        index (or the index of ``precision``) serves."""
+        if (precision or self.precision) == "half":
             d = int(self.embed_dim)
             return f"{column}::halfvec({d}) <=> %s::halfvec({d})"
         return f"{column} <=> %s"
