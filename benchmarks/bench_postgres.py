@@ -137,8 +137,12 @@ def agreement(store: PostgresStore, embed: Any, nodes: Sequence[Any], questions:
     }
 
 
-def grow(store: PostgresStore, target: int, vocabulary: Sequence[str], seed: int) -> Dict[str, float]:
+def grow(
+    store: PostgresStore, target: int, vocabulary: Sequence[str], seed: int, vector_index: bool = True
+) -> Dict[str, float]:
     """Add synthetic chunks until the store holds ``target``; returns the seconds of each phase.
+
+    Without ``vector_index`` the HNSW index is left dropped (for measures of the full-text search alone).
 
     A bulk load as docs/postgres.md advises: the vector and full-text indexes are
     dropped, the rows go in with ``COPY``, the word and lexeme frequencies are added in
@@ -152,7 +156,7 @@ def grow(store: PostgresStore, target: int, vocabulary: Sequence[str], seed: int
         return phases
     rng = np.random.default_rng(seed)
     chunks = store.name("chunks")
-    vector_index, text_index = store.vector_index("chunks"), f"{store.table}_idx"
+    hnsw, text_index = store.vector_index("chunks"), f"{store.table}_idx"
     words = np.asarray(vocabulary)
     ranks = np.arange(1, len(words) + 1, dtype=np.float64)
     zipf = (1.0 / ranks) / (1.0 / ranks).sum()
@@ -161,7 +165,7 @@ def grow(store: PostgresStore, target: int, vocabulary: Sequence[str], seed: int
     df = np.zeros(len(names), dtype=np.int64)
     started = time.perf_counter()
     with store.connection() as conn:
-        conn.execute(f"DROP INDEX IF EXISTS {store.schema}.{vector_index}")
+        conn.execute(f"DROP INDEX IF EXISTS {store.schema}.{hnsw}")
         conn.execute(f"DROP INDEX IF EXISTS {store.schema}.{text_index}")
     batch = 20_000
     for first in range(have, target, batch):
@@ -210,11 +214,12 @@ def grow(store: PostgresStore, target: int, vocabulary: Sequence[str], seed: int
         conn.execute(f"CREATE INDEX {text_index} ON {chunks} USING gin (text_search_tsv)")
         phases["gin_index_s"] = time.perf_counter() - started
         started = time.perf_counter()
-        conn.execute(
-            f"CREATE INDEX {vector_index} ON {chunks} USING hnsw {store.hnsw_columns(store.precision)} "
-            f"WITH (m = {store.hnsw_m}, ef_construction = {store.hnsw_ef_construction})"
-        )
-        phases["hnsw_index_s"] = time.perf_counter() - started
+        if vector_index:
+            conn.execute(
+                f"CREATE INDEX {hnsw} ON {chunks} USING hnsw {store.hnsw_columns(store.precision)} "
+                f"WITH (m = {store.hnsw_m}, ef_construction = {store.hnsw_ef_construction})"
+            )
+            phases["hnsw_index_s"] = time.perf_counter() - started
         started = time.perf_counter()
         conn.execute(f"VACUUM ANALYZE {chunks}")
         phases["vacuum_analyze_s"] = time.perf_counter() - started
