@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import time
 from pathlib import Path
@@ -24,13 +23,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from benchmarks.bench_postgres import bench_server, grow
+from benchmarks.bench_postgres import bench_server, grow, results_head, scifact_store
 from llama_index_crag.datasets import load_documents
-from llama_index_crag.embedding_cache import corpus_cache
 from llama_index_crag.evaluation.corpus import chunk
-from llama_index_crag.evaluation.dataset import load_eval_questions
-from llama_index_crag.models import default_embed_model
-from llama_index_crag.postgres import PostgresFullTextRetriever, PostgresStore, ingest
+from llama_index_crag.postgres import PostgresFullTextRetriever, PostgresStore
 from llama_index_crag.scorers.evidence import terms
 
 
@@ -70,22 +66,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", default="eval-out/bench_fulltext", help="folder for the JSON figures")
     args = parser.parse_args(argv)
     budgets = sorted((int(b) for b in args.budgets.split(",")), reverse=True)
-    results: Dict[str, Any] = {
-        "command": "OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_fulltext.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "rows": [],
-    }
+    results = results_head("bench_fulltext.py", args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     server = bench_server()
     try:
-        embed = corpus_cache(default_embed_model(), Path(args.dataset) / "corpus.jsonl", Path(args.cache_dir), True)
-        loader = PostgresStore(server.url, table="scifact")
-        ingest(args.dataset, loader, embed, progress=True)
-        loader.close()
-        claims = [q.question.question for q in load_eval_questions(args.dataset)]
-        sample = random.Random(0).sample(claims, min(args.queries, len(claims)))
+        _, sample = scifact_store(server.url, args)
         nodes = chunk(load_documents(args.dataset))
         vocabulary = sorted({w for n in nodes[:2000] for w in n.get_content().lower().split() if w.isalpha()})
         vocabulary = [w for w in vocabulary if terms(w)]

@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set
 
 import numpy as np
 
-from benchmarks.bench_postgres import bench_server, grow
+from benchmarks.bench_postgres import bench_server, grow, results_head, scifact_store
 from llama_index_crag.datasets import load_documents
-from llama_index_crag.embedding_cache import corpus_cache
 from llama_index_crag.evaluation.corpus import chunk
-from llama_index_crag.evaluation.dataset import load_eval_questions
-from llama_index_crag.models import default_embed_model
-from llama_index_crag.postgres import PRECISIONS, PostgresStore, ingest
+from llama_index_crag.postgres import PRECISIONS, PostgresStore
 from llama_index_crag.scorers.evidence import terms
 
 EF_SEARCH = (40, 100)
@@ -73,6 +69,7 @@ def measure(store: PostgresStore, part: str, vectors: Sequence[np.ndarray]) -> D
                 exact = f"SELECT id FROM {table} ORDER BY embedding <=> %s LIMIT 5"
                 rows = conn.execute(exact, (v,), prepare=False).fetchall()
                 truth.append({r[0] for r in rows})
+        conn.execute("SET enable_seqscan = off")  # a small table would be scanned rather than searched
         for precision in PRECISIONS:
             query = f"SELECT id FROM {table} ORDER BY {store.nearest(precision=precision)} LIMIT 5"
             plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query, (vectors[0],)))
@@ -91,6 +88,7 @@ def measure(store: PostgresStore, part: str, vectors: Sequence[np.ndarray]) -> D
                     "p95_ms": round(float(np.percentile(times, 95)), 2),
                 }
         conn.execute(f"SET hnsw.ef_search = {store.ef_search}")
+        conn.execute("RESET enable_seqscan")
     return found
 
 
@@ -114,21 +112,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cache-dir", default=".crag-cache", help="where corpus embeddings are cached")
     parser.add_argument("--out", default="eval-out/bench_index_precision", help="folder for the JSON figures")
     args = parser.parse_args(argv)
-    results: Dict[str, Any] = {
-        "command": "OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_index_precision.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "rows": [],
-    }
+    results = results_head("bench_index_precision.py", args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     server = bench_server()
     try:
-        embed = corpus_cache(default_embed_model(), Path(args.dataset) / "corpus.jsonl", Path(args.cache_dir), True)
+        embed, sample = scifact_store(server.url, args)
         store = PostgresStore(server.url, table="scifact")
-        ingest(args.dataset, store, embed, progress=True)
-        claims = [q.question.question for q in load_eval_questions(args.dataset)]
-        sample = random.Random(0).sample(claims, min(args.queries, len(claims)))
         vectors = [np.asarray(embed.get_query_embedding(q), dtype=np.float32) for q in sample]
         for part in ("chunks", "windows"):  # real vectors: both indexes built here, timed alike
             results["rows"].append(compare(store, part, vectors, rebuild_full=True))

@@ -30,7 +30,7 @@ import random
 import resource
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from llama_index.core.schema import TextNode
@@ -256,6 +256,27 @@ def recall(store: PostgresStore, vectors: Sequence[Sequence[float]], ef_values: 
             }
         conn.execute(f"SET hnsw.ef_search = {store.ef_search}")
     return found
+
+
+def results_head(script: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """The start of a benchmark's JSON: the command that reproduces it, the date, and an empty list of rows."""
+    options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "url")
+    return {
+        "command": f"OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/{script} {options}",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "rows": [],
+    }
+
+
+def scifact_store(url: str, args: argparse.Namespace) -> Tuple[Any, List[str]]:
+    """Ingest ``args.dataset`` into the table ``scifact`` (passage vectors cached); the embedding model and a fixed
+    sample of ``args.queries`` of its claims."""
+    embed = corpus_cache(default_embed_model(), Path(args.dataset) / "corpus.jsonl", Path(args.cache_dir), True)
+    loader = PostgresStore(url, table="scifact", index_precision=getattr(args, "index_precision", None))
+    ingest(args.dataset, loader, embed, progress=True)
+    loader.close()
+    claims = [q.question.question for q in load_eval_questions(args.dataset)]
+    return embed, random.Random(0).sample(claims, min(args.queries, len(claims)))
 
 
 def bench_server() -> Any:
