@@ -158,8 +158,8 @@ class PostgresStore:
     def precision(self) -> str:
         """The precision of the store's vector indexes (``full`` or ``half``), as the store was built."""
         if self._built_precision is None:
-            built = self.meta().get("index_precision")
-            self._built_precision = built or self.index_precision or "full"
+            self._resolve_precision(self.meta(), f"{_redacted(self.url)} (table {self.table})")
+        assert self._built_precision is not None
         return self._built_precision
 
     def nearest(self, column: str = "embedding", precision: Optional[str] = None) -> str:
@@ -170,15 +170,17 @@ class PostgresStore:
             return f"{column}::halfvec({d}) <=> %s::halfvec({d})"
         return f"{column} <=> %s"
 
-    def _check_precision(self, meta: Mapping[str, Any], where: str) -> None:
+    def _resolve_precision(self, meta: Mapping[str, Any], where: str) -> str:
+        """The index precision of the store that ``meta`` describes (``full`` for one made before the setting, the
+        requested one, or ``full``, for a new store); a ``StoreError`` where the request contradicts the store."""
         built = meta.get("index_precision", "full" if meta else None)
         if built and self.index_precision and built != self.index_precision:
             raise StoreError(
                 f"the store at {where} has {built}-precision vector indexes, not {self.index_precision}: "
                 f"open it with index_precision={built!r} (or None), or ingest into another table"
             )
-        if built:
-            self._built_precision = built
+        self._built_precision = built or self.index_precision or "full"
+        return self._built_precision
 
     def name(self, part: str) -> str:
         """The qualified name of one of the store's tables: ``chunks``, ``windows``, ``terms``, ``lexemes``,
@@ -274,9 +276,7 @@ class PostgresStore:
     def create_schema(self) -> None:
         """Create the store's tables and indexes where missing (an existing ``PGVectorStore`` table is kept)."""
         d, cfg = int(self.embed_dim), self.text_search_config
-        meta = self.meta()
-        self._check_precision(meta, f"{_redacted(self.url)} (table {self.table})")
-        precision = meta.get("index_precision") or ("full" if meta else None) or self.index_precision or "full"
+        precision = self._resolve_precision(self.meta(), f"{_redacted(self.url)} (table {self.table})")
         hnsw = (
             f"USING hnsw {self.hnsw_columns(precision)} "
             f"WITH (m = {int(self.hnsw_m)}, ef_construction = {int(self.hnsw_ef_construction)})"
@@ -310,7 +310,6 @@ class PostgresStore:
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (self.name("meta"),))
             for statement in statements:
                 conn.execute(statement)
-        self._built_precision = precision
 
     def vector_index(self, part: str, precision: Optional[str] = None) -> str:
         """The (unqualified) name of the HNSW index on ``part`` (``chunks`` or ``windows``) of ``precision``."""
@@ -341,7 +340,7 @@ class PostgresStore:
             raise StoreError(f"no CRAG store at {where}: make one with llama-crag ingest DOCS --store URL")
         if meta.get("format") != FORMAT:
             raise StoreError(f"the store at {where} is of format {meta.get('format')}, not {FORMAT}: ingest again")
-        self._check_precision(meta, where)
+        self._resolve_precision(meta, where)
         if embed_model is not None and Path(meta["embed_model"]).name != Path(embed_model.model_name).name:
             raise StoreError(
                 f"the store at {where} was embedded with {meta['embed_model']}, not {embed_model.model_name}: "
