@@ -188,14 +188,23 @@ def _grade_report(args: argparse.Namespace) -> int:
 
 
 def _train_grader(args: argparse.Namespace) -> int:
+    from llama_index_crag.calibration.labelled import load_labelled_pairs
     from llama_index_crag.calibration.pairs import make_pairs
-    from llama_index_crag.calibration.training import TrainingConfig, train_grader
+    from llama_index_crag.calibration.training import PairSet, TrainingConfig, train_grader
 
-    pairs = make_pairs(args.corpus, count=args.pairs, claims=args.claims, seed=args.seed, progress=args.progress)
+    if not args.corpus and not args.pairs_file:
+        raise ValueError("train-grader needs --pairs-file FILE (labelled pairs), --corpus DIR (pairs from it), or both")
+    sets = []
+    if args.pairs_file:
+        sets.append(load_labelled_pairs(args.pairs_file, seed=args.seed))
+    if args.corpus:
+        sets.append(make_pairs(args.corpus, count=args.pairs, claims=args.claims, seed=args.seed, progress=args.progress))
+    pairs = PairSet([p for s in sets for p in s.train], [p for s in sets for p in s.held_out])
     counts = pairs.counts()
+    source = " and ".join(str(s) for s in (args.pairs_file, args.corpus) if s)
     print(
-        f"Pairs from {args.corpus}: {len(pairs.train)} to train on {counts['train']}, "
-        f"{len(pairs.held_out)} held out (other documents) {counts['held_out']}."
+        f"Pairs from {source}: {len(pairs.train)} to train on {counts['train']}, "
+        f"{len(pairs.held_out)} held out (other documents and questions) {counts['held_out']}."
     )
     config = TrainingConfig(
         max_length=args.max_length,
@@ -208,13 +217,13 @@ def _train_grader(args: argparse.Namespace) -> int:
         threads=args.threads,
         device=args.device,
     )
-    info = train_grader(pairs, Path(args.out), config=config, progress=args.progress, corpus=str(args.corpus))
+    info = train_grader(pairs, Path(args.out), config=config, progress=args.progress, corpus=source)
     print(
         f"Reader trained {info['steps']} of {info['total_steps']} steps in {info['minutes']:.1f} min "
         f"({info['stopped']}): held-out AUROC {info['history'][0]['held_out_auroc']:.3f} untrained -> "
         f"{info['held_out_auroc']:.3f} (int8: {info['held_out_auroc_int8']:.3f}). Wrote {args.out}."
     )
-    if info["held_out_auroc"] < 0.9 and info["stopped"] == "finished":
+    if info["held_out_auroc"] < 0.9 and info["stopped"] == "finished" and not args.pairs_file:
         print("Held-out AUROC below 0.9 on synthetic pairs: the pairs are too hard or noisy for this corpus.")
     print(f"Use it: llama-crag calibrate --scorer reader:{args.out} ..., or CRAG_GRADER={args.out}")
     return 0
@@ -279,14 +288,23 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train-grader",
         help="train a reading grader (a cross-encoder) on CPU from your corpus alone",
-        description="Makes question-passage pairs from the corpus (hard negatives included), fine-tunes the bundled "
-        "MiniLM on them under a time budget, keeps the best checkpoint by held-out AUROC, and writes a grader "
+        description="Reads labelled question-passage pairs (--pairs-file) and/or makes pairs from a corpus (hard "
+        "negatives included), fine-tunes the bundled MiniLM on them under a time budget, keeps the best checkpoint by held-out AUROC, and writes a grader "
         "directory for calibrate --scorer reader:DIR or CRAG_GRADER. Run it again to resume.",
     )
-    train.add_argument("--corpus", required=True, help="folder with corpus.jsonl (no questions or labels are read)")
+    train.add_argument(
+        "--pairs-file",
+        default=None,
+        metavar="FILE",
+        help="labelled pairs, one JSON object a line: question, passage, label (1 answers), optional source, "
+        "kind, title; a tenth of each source is held out by article or question",
+    )
+    train.add_argument(
+        "--corpus", default=None, help="folder with corpus.jsonl: pairs made from it (mixed in with --pairs-file)"
+    )
     train.add_argument("--out", required=True, help="the grader directory to write (and resume from)")
     train.add_argument("--minutes", type=float, default=40.0, help="hard time budget for training")
-    train.add_argument("--pairs", type=int, default=20_000, help="pairs to make (about a third positive)")
+    train.add_argument("--pairs", type=int, default=20_000, help="pairs to make from --corpus (about a third positive)")
     train.add_argument(
         "--claims", type=float, default=0.15, help="share of questions made as claims (raise it if users type claims)"
     )

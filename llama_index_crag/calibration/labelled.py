@@ -1,0 +1,76 @@
+"""Human-labelled (question, passage, label) pairs from a JSONL file, split for training the reader.
+
+Each line is ``{"question", "passage", "label"}`` (1: the passage answers), with an
+optional ``source`` and ``kind`` (how the label was decided) and ``title`` (the article a
+passage comes from). About a tenth of each source is held out, by group: pairs sharing
+a ``title`` (one article's paragraphs and sentences) or, without one, the same question
+stay on the same side, so that a held-out figure measures reading on questions and
+paragraphs the model never saw. The split is a hash of the group, so it is the same on
+every run and every machine: a resumed run, and a later measurement that must use
+only rows held out from training (the answer check on HaluEval's rows), see the same
+split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Optional
+
+from llama_index_crag.calibration.training import Pair, PairSet
+
+#: The share of each source's groups held out for checkpoint selection and figures.
+HELD_OUT_SHARE = 0.1
+
+
+def group_of(row: Mapping[str, Any]) -> str:
+    """The group a pair is held out with: its source and article title, else its source and question."""
+    source = str(row.get("source", ""))
+    return f"{source}|title:{row['title']}" if row.get("title") else f"{source}|q:{row['question']}"
+
+
+def is_held_out(row: Mapping[str, Any], share: float = HELD_OUT_SHARE) -> bool:
+    """Whether a pair belongs to the held-out part: a stable hash of its group, not a random draw."""
+    digest = hashlib.sha1(group_of(row).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+def read_rows(path: Path | str) -> Iterator[Dict[str, Any]]:
+    """The file's rows, each checked for a non-empty question and passage and a 0/1 label."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                question, passage, label = str(row["question"]), str(row["passage"]), int(row["label"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a (question, passage, label) pair: {exc}") from exc
+            if label not in (0, 1) or not question.strip() or not passage.strip():
+                raise ValueError(f"{path}:{number}: needs a question, a passage and a label of 0 or 1")
+            yield row
+
+
+def load_labelled_pairs(
+    path: Path | str, share: float = HELD_OUT_SHARE, limit: Optional[int] = None, seed: int = 0
+) -> PairSet:
+    """Pairs from ``path`` split into training and held-out parts by group (``limit`` samples the training part)."""
+    train: List[Pair] = []
+    held_out: List[Pair] = []
+    for row in read_rows(path):
+        pair = Pair(
+            query=str(row["question"]),
+            passage=str(row["passage"]),
+            label=int(row["label"]),
+            kind=f"{row.get('source', 'labelled')}:{row.get('kind', 'pair')}",
+            doc_id=group_of(row),
+        )
+        (held_out if is_held_out(row, share) else train).append(pair)
+    if limit is not None and limit < len(train):
+        train = random.Random(seed).sample(train, limit)
+    if not train or not held_out:
+        raise ValueError(f"{path} gives {len(train)} training and {len(held_out)} held-out pairs: it needs both")
+    return PairSet(train, held_out)
