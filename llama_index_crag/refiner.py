@@ -18,12 +18,39 @@ _FENCE = re.compile(r"^\s*(```|~~~)")
 _TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$")
 
 
+#: Words that open a sentence by referring back to something named before it: such a strip has lost its subject.
+_REFERS_BACK = re.compile(
+    r"^\W*(it|its|it's|they|their|them|this|these|that|those|he|his|him|she|her|such|both|the latter|the former"
+    r"|the (?:company|firm|group|organi[sz]ation|city|town|village|country|state|region|team|club|band|film|movie"
+    r"|book|novel|album|song|show|series|bridge|building|river|station|school|university|product|service|platform"
+    r"|project|system|device|model|program(?:me)?|party|species|disease|drug|study|paper|event|war|church|museum"
+    r"|game|agency|department|court|law|act|report|plan|policy|feature|release|version|tool|app|outage|incident))\b",
+    re.IGNORECASE,
+)
+
+
 @dataclass(frozen=True)
 class Strip:
-    """One knowledge strip: a sentence window, or a whole table or code block."""
+    """One knowledge strip: a sentence window, or a whole table or code block.
+
+    ``context`` is what a strip that refers back ("It spans 312 metres ...") needs to be
+    read: the sentence before it, or the passage's title when it opens the passage. It is
+    graded with the strip (``graded_text``) but never kept: the kept text is ``text``.
+    """
 
     text: str
     whole_block: bool = False
+    context: str = ""
+
+    @property
+    def graded_text(self) -> str:
+        """The text a scorer judges: the context, then the strip."""
+        return f"{self.context} {self.text}" if self.context else self.text
+
+
+def refers_back(text: str) -> bool:
+    """Whether a sentence opens with a word that refers to something named before it ("It", "They", "The company")."""
+    return bool(_REFERS_BACK.match(text))
 
 
 @dataclass(frozen=True)
@@ -47,13 +74,15 @@ class Refinement:
     strips: List[StripGrade] = field(default_factory=list)
 
 
-def decompose(text: str, min_tokens: int) -> List[Strip]:
+def decompose(text: str, min_tokens: int, title: str = "") -> List[Strip]:
     """Split a chunk into strips in document order.
 
     Tables and fenced code are single strips (splitting them destroys their meaning).
     Prose is split into sentences, and a sentence shorter than ``min_tokens`` words is
     merged with its neighbour, so no strip is too short to support a citation. A chunk
-    that yields one strip comes back whole.
+    that yields one strip comes back whole. A prose strip that refers back
+    (``refers_back``) carries the strip before it as its ``context``, or, opening the
+    chunk, the ``title`` (a document's or page's title) where there is one.
     """
     strips: List[Strip] = []
     prose: List[str] = []
@@ -79,7 +108,17 @@ def decompose(text: str, min_tokens: int) -> List[Strip]:
         prose = []
         strips.append(Strip("".join(block).strip(), whole_block=True))
     strips.extend(_prose_strips("".join(prose), min_tokens))
-    return strips
+    return _with_subjects(strips, title.strip())
+
+
+def _with_subjects(strips: List[Strip], title: str) -> List[Strip]:
+    out: List[Strip] = []
+    for i, strip in enumerate(strips):
+        if not strip.whole_block and refers_back(strip.text):
+            before = strips[i - 1].text if i and not strips[i - 1].whole_block else title
+            strip = Strip(strip.text, context=before) if before else strip
+        out.append(strip)
+    return out
 
 
 def _prose_strips(text: str, min_tokens: int) -> List[Strip]:
@@ -125,8 +164,11 @@ class StripRefiner(BaseNodePostprocessor):
 
     def refine(self, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]) -> Refinement:
         """Decompose, re-score and recompose ``nodes`` for ``query_bundle``."""
-        per_node = [decompose(n.node.get_content(), self.strip_min_tokens) for n in nodes]
-        flat = [strip.text for strips in per_node for strip in strips]
+        per_node = [
+            decompose(n.node.get_content(), self.strip_min_tokens, str(n.node.metadata.get("title") or ""))
+            for n in nodes
+        ]
+        flat = [strip.graded_text for strips in per_node for strip in strips]
         scores = self._scorer.score_texts(query_bundle.query_str, flat) if flat else []
         refined: List[NodeWithScore] = []
         graded: List[StripGrade] = []

@@ -73,10 +73,12 @@ def test_strips_are_labelled_by_the_answer_they_hold() -> None:
     batches = labelled_batches(SAMPLE_DIR, progress=False).batches
     strips = labelled_strips(SAMPLE_DIR, batches, 8)
     assert len(strips) > 10
-    for question, texts, labels in zip(strips.questions, strips.strips, strips.labels):
+    for question, graded, texts, labels in zip(strips.questions, strips.strips, strips.kept, strips.labels):
         answers = next(b.question.answers for b in batches if b.question.question == question)
         assert len(texts) > 1 and any(labels)
-        for text, label in zip(texts, labels):
+        for seen, text, label in zip(graded, texts, labels):
+            # Labelled by its own text, graded with whatever context it carries.
+            assert seen.endswith(text)
             assert label == any(a.lower() in text.lower() for a in answers), (question, text)
 
 

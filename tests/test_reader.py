@@ -194,7 +194,7 @@ def test_train_grader_writes_a_grader_directory_from_the_command_line(
     args = ["train-grader", "--corpus", str(SAMPLE_DIR), "--out", str(out), "--pairs", "300", "--minutes", "0.05"]
     assert main([*args, "--max-length", "48", "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "held out (other documents)" in printed and f"CRAG_GRADER={out}" in printed
+    assert "held out (other documents and questions)" in printed and f"CRAG_GRADER={out}" in printed
     info = json.loads((out / GRADER_FILE).read_text())
     assert info["stopped"].startswith("time budget") and (out / "reader.safetensors").exists()
 

@@ -241,8 +241,9 @@ class StripSet:
 
     qids: List[str] = field(default_factory=list)
     questions: List[str] = field(default_factory=list)
-    strips: List[List[str]] = field(default_factory=list)
+    strips: List[List[str]] = field(default_factory=list)  # as graded: a strip that refers back carries its context
     labels: List[List[bool]] = field(default_factory=list)
+    kept: List[List[str]] = field(default_factory=list)  # as kept and labelled: the strip's own text
 
     def __len__(self) -> int:
         return len(self.qids)
@@ -275,8 +276,9 @@ def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: in
                 continue
             sentences = row.get("sentences") if doc_id in question.evidence else None
             text = " ".join(sentences) if sentences else str(row["text"])
-            strips = [s.text for s in decompose(text, min_tokens)]
-            normalised = [normalise_text(s) for s in strips]
+            cut = decompose(text, min_tokens, str(row.get("title") or ""))
+            strips = [s.graded_text for s in cut]  # scored as the refiner scores them, labelled by their own text
+            normalised = [normalise_text(s.text) for s in cut]
             if sentences:
                 wanted = [normalise_text(sentences[i]) for i in question.evidence[doc_id] if i < len(sentences)]
                 labels = [any(w and (w in s or s in w) for w in wanted) for s in normalised]
@@ -289,6 +291,7 @@ def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: in
                 found.questions.append(question.question)
                 found.strips.append(strips)
                 found.labels.append(labels)
+                found.kept.append([s.text for s in cut])
     return found
 
 

@@ -99,6 +99,14 @@ def _held_out_sample(pairs: Sequence[Pair], size: int, seed: int) -> List[Pair]:
     return list(pairs) if len(pairs) <= size else rng.sample(list(pairs), size)
 
 
+# A resumed run may get a new time budget or thread count; anything else changes what it learns.
+_RUN_ONLY = ("minutes", "threads")
+
+
+def _resumable(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in _RUN_ONLY}
+
+
 def train_grader(
     pairs: PairSet,
     out: Path | str,
@@ -161,7 +169,7 @@ def train_grader(
     checkpoint = out / CHECKPOINT_FILE
     if checkpoint.exists():
         saved = torch.load(str(checkpoint), weights_only=False, map_location=config.device)
-        if saved["config"] != asdict(config) or saved["pairs"] != len(pairs.train):
+        if _resumable(saved["config"]) != _resumable(asdict(config)) or saved["pairs"] != len(pairs.train):
             raise ValueError(f"{checkpoint} was made with other settings or pairs: remove it to start afresh")
         reader.model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])

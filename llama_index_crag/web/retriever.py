@@ -168,9 +168,11 @@ class WebSearchRetriever(BaseRetriever):
 
     def _strips(self, query: str, pages: List[Page]) -> List[NodeWithScore]:
         nodes: List[TextNode] = []
+        graded: List[str] = []
         for page in pages:
             digest = hashlib.sha1(page.url.encode("utf-8")).hexdigest()[:12]
-            for i, strip in enumerate(decompose(page.text, self._strip_min_tokens)):
+            for i, strip in enumerate(decompose(page.text, self._strip_min_tokens, page.title)):
+                graded.append(strip.graded_text)
                 hidden = ["url", "title", ORIGIN_KEY]
                 nodes.append(
                     TextNode(
@@ -183,7 +185,7 @@ class WebSearchRetriever(BaseRetriever):
                 )
         if self._scorer is None or not nodes:
             return [NodeWithScore(node=n, score=None) for n in nodes[: self.settings.max_strips]]
-        scores = self._scorer.score_texts(query, [n.get_content() for n in nodes])
+        scores = self._scorer.score_texts(query, graded)
         ranked = sorted(zip(nodes, scores), key=lambda pair: -pair[1])[: self.settings.max_strips]
         return [NodeWithScore(node=n, score=float(score)) for n, score in ranked]
 

@@ -1,0 +1,155 @@
+"""The kind of answer a question asks for, whether a passage holds one, and whether it keeps the question's terms.
+
+Two evidence features that a bi-encoder cannot see. "How long is the Kestrel Bridge?"
+asks for a length: a passage about the bridge that gives only its opening year is on
+topic and does not answer. "What was revenue in 2017?" sets a constraint: a passage
+that gives 2021's revenue contradicts it, however many words it shares. Both are
+regular expressions over the text, deterministic and fast enough for every batch
+(no model call), so the features mean the same on every machine.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Dict, FrozenSet, Optional, Tuple
+
+_NUM = r"(?:\d[\d,]*(?:\.\d+)?|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|a few|several|a dozen)"
+_MONTHS = (
+    "january|february|march|april|may|june|july|august|september|october|november|december"
+    "|jan|feb|mar|apr|jun|jul|aug|sep|sept|oct|nov|dec"
+)
+_LENGTH_UNITS = (
+    r"(?:kilo|centi|milli)?met(?:re|er)s?|km|cm|mm|m|miles?|mi|feet|foot|ft|inch(?:es)?|in\.|yards?|yd"
+    r"|nautical miles?|light[- ]years?|(?:square|sq\.?) (?:met(?:re|er)s?|miles?|feet|km)|acres?|hectares?"
+    r"|storeys|stories"
+)
+_DURATION_UNITS = (
+    r"(?:milli)?seconds?|secs?|minutes?|mins?|hours?|hrs?|days?|weeks?|months?|years?|decades?|centur(?:y|ies)"
+)
+_CURRENCY = r"[$€£¥₹]|\b(?:usd|eur|gbp|dollars?|euros?|pounds?|yen|francs?|marks?|rupees?)\b"
+_SCALE = r"(?:thousand|million|billion|trillion|[kmb]n?)\b"
+
+#: The kinds of answer, each with what a passage that holds one contains.
+PATTERNS: Dict[str, re.Pattern[str]] = {
+    "year": re.compile(r"\b(1[0-9]{3}|20[0-9]{2})s?\b"),
+    "date": re.compile(
+        rf"\b(1[0-9]{{3}}|20[0-9]{{2}})s?\b|\b({_MONTHS})\b|\b\d{{1,2}}(st|nd|rd|th)? century\b"
+        r"|\b\d{1,2}[/.-]\d{1,2}[/.-]\d{2,4}\b|\b(monday|tuesday|wednesday|thursday|friday|saturday|sunday)\b",
+        re.IGNORECASE,
+    ),
+    "length": re.compile(rf"\b{_NUM}[\s-]*(?:{_LENGTH_UNITS})(?![a-z])", re.IGNORECASE),
+    "duration": re.compile(rf"\b{_NUM}[\s-]*(?:{_DURATION_UNITS})\b", re.IGNORECASE),
+    "count": re.compile(rf"\b{_NUM}\b", re.IGNORECASE),
+    "amount": re.compile(rf"(?:{_CURRENCY})\s*\d|\d[\d,.]*\s*(?:{_SCALE}|(?:{_CURRENCY}))", re.IGNORECASE),
+    "percent": re.compile(r"\d(?:[\d.,]*)\s*(?:%|per ?cent\b|percentage points?)", re.IGNORECASE),
+    "name": re.compile(
+        r"(?<![.!?]\s)(?<!^)\b[A-Z][\w'’-]*[a-z][\w'’-]*(?:\s+(?:[A-Z][\w'’.-]+|of|de|van|von|al|bin))*"
+    ),
+}
+
+#: Words that make a proper name an organisation, not a person.
+_ORGANISATION = re.compile(
+    r"\b(inc|corp|corporation|ltd|llc|plc|gmbh|company|co|group|university|college|institute|council|committee"
+    r"|party|association|society|agency|bank|church|club|fc|league|union|ministry|department|foundation|team"
+    r"|records|studios?|press|airlines?|railways?|school|academy|board|commission|museum|hospital|army|navy)\.?$",
+    re.IGNORECASE,
+)
+
+#: (question pattern, the kinds of answer that satisfy it), the first match wins.
+_QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), frozenset(kinds.split()))
+    for pattern, kinds in (
+        (
+            r"\bhow long\b.*\b(last|lasted|take|took|takes|run|ran|stay|stayed|serve|served|reign|reigned|wait"
+            r"|live|lived)\b",
+            "duration",
+        ),
+        (r"\bhow long\b|\bhow (tall|high|wide|deep|far|big|large)\b|\bwhat (is|was) the (length|height|width|depth|"
+         r"distance|area|size)\b|\b(length|height|distance) of\b", "length duration"),
+        (r"\b(what|which|in what) (year|decade|century)\b|\bwhat year\b", "year"),
+        (r"\bwhen\b|\bwhat (date|day|month|time)\b|\bwhich (date|day|month)\b", "date"),
+        (r"\bwhat (percentage|percent|share|proportion)\b|\bhow many percent\b", "percent"),
+        (r"\bhow much\b.*\b(cost|costs|pay|paid|spend|spent|worth|price|earn|earned|raise|raised|sell|sold|charge)\b"
+         r"|\bwhat (is|was|were) (the |\w+'s )?(price|cost|budget|revenue|salary|fee|arr|income|profit|valuation)\b",
+         "amount"),
+        (r"\bhow much\b", "amount count percent length"),
+        (r"\bhow (many|old)\b|\bwhat (number|age)\b", "count"),
+        (r"\bwho(m|se)?\b", "person"),
+        (r"\bwhere\b|\bwhat (city|country|town|place|state|region)\b|\bin which (city|country|town|state)\b", "place"),
+    )
+)
+
+
+def asked_kinds(question: str) -> Optional[FrozenSet[str]]:
+    """The kinds of answer the question asks for ("how long does it last" asks for a duration), or None."""
+    for pattern, kinds in _QUESTION_KINDS:
+        if pattern.search(question):
+            return kinds
+    return None
+
+
+def _new_matches(pattern: re.Pattern[str], text: str, question: str) -> list[str]:
+    asked = question.lower()
+    return [m.group(0) for m in pattern.finditer(text) if m.group(0).lower().strip() not in asked]
+
+
+@lru_cache(maxsize=20_000)
+def holds_kind(kinds: FrozenSet[str], text: str, question: str) -> bool:
+    """Whether ``text`` holds an answer of one of ``kinds`` that the question does not already contain."""
+    for kind in kinds:
+        if kind in ("person", "place"):
+            names = _new_matches(PATTERNS["name"], text, question)
+            # A person is a name that is not an organisation's; a place is any name (a city, a country, a venue).
+            if any(kind == "place" or not _ORGANISATION.search(n) for n in names):
+                return True
+        elif _new_matches(PATTERNS[kind], text, question):
+            return True
+    return False
+
+
+def answer_type(question: str, best_sentence: str, passage: str) -> float:
+    """1 when the best sentence holds the kind of answer asked, 0.75 when only another sentence does, 0 when
+    nothing does, 0.5 when the question's kind is unknown."""
+    kinds = asked_kinds(question)
+    if kinds is None:
+        return 0.5
+    if holds_kind(kinds, best_sentence, question):
+        return 1.0
+    return 0.75 if holds_kind(kinds, passage, question) else 0.0
+
+
+_QUOTED = re.compile(r"[\"“”]([^\"“”]{2,80})[\"“”]")
+#: A number standing alone: not part of a name or code such as "EU-2", "Q3" or "v4.3.1".
+_VALUE = re.compile(r"(?<![\w.-])\d[\d,]*(?:\.\d+)?(?![\w-]|\.\d)")
+
+
+def _values(text: str) -> Dict[str, set[str]]:
+    found: Dict[str, set[str]] = {"year": set(), "number": set()}
+    for m in _VALUE.finditer(text):
+        value = m.group(0).replace(",", "").rstrip(".")
+        found["year" if re.fullmatch(r"1[0-9]{3}|20[0-9]{2}", value) else "number"].add(value)
+    return found
+
+
+def constraints(question: str, passage: str) -> float:
+    """Whether the passage keeps the question's years, numbers and quoted names.
+
+    1 when every one is there; 0 when a year asked is missing and the passage holds
+    another year instead (asked "in 2017", only "2021" there: a near miss that
+    contradicts); 0.25 when one is missing otherwise; 0.5 when the question sets none.
+    """
+    asked = _values(question)
+    quoted = [q.strip().lower() for q in _QUOTED.findall(question)]
+    if not any(asked.values()) and not quoted:
+        return 0.5
+    held = _values(passage)
+    lowered = passage.lower()
+    missing_quote = any(q not in lowered for q in quoted)
+    # Only a year contradicts: another year is another time; another number is often another quantity.
+    contradicted = bool(asked["year"] - held["year"] and held["year"] - asked["year"])
+    if contradicted:
+        return 0.0
+    if missing_quote or any(asked[k] - held[k] for k in asked):
+        return 0.25
+    return 1.0

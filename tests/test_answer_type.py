@@ -1,0 +1,84 @@
+"""The answer-type and constraint evidence: does the passage hold the kind of thing asked, on the question's terms."""
+
+from __future__ import annotations
+
+import pytest
+
+from llama_index_crag.scorers.answer_type import answer_type, asked_kinds, constraints
+from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer
+
+BRIDGE_DATE = "The Kestrel Bridge in Farrow opened in 1887."
+BRIDGE_LENGTH = "The Kestrel Bridge in Farrow spans 312 metres across the Lune estuary."
+
+
+@pytest.mark.parametrize(
+    ("question", "kinds"),
+    [
+        ("How long is the Kestrel Bridge in Farrow?", {"length", "duration"}),
+        ("How long did the June 2023 EU-2 outage last?", {"duration"}),
+        ("In what year did the bridge open?", {"year"}),
+        ("When did the office open?", {"date"}),
+        ("Who chairs the cooperative?", {"person"}),
+        ("Where is the head office?", {"place"}),
+        ("How many families founded it?", {"count"}),
+        ("What was Harbor's ARR at the end of Q3 2023?", {"amount"}),
+        ("What percentage of members voted?", {"percent"}),
+    ],
+)
+def test_the_question_says_what_kind_of_answer_it_asks_for(question: str, kinds: set) -> None:
+    assert asked_kinds(question) == frozenset(kinds)
+
+
+def test_a_length_asked_and_only_a_date_present_is_not_an_answer() -> None:
+    question = "How long is the Kestrel Bridge in Farrow?"
+    assert answer_type(question, BRIDGE_DATE, BRIDGE_DATE) == 0.0
+    assert answer_type(question, BRIDGE_LENGTH, BRIDGE_LENGTH) == 1.0
+
+
+def test_a_duration_asked_is_not_answered_by_a_length_or_a_year() -> None:
+    question = "How long did the outage last?"
+    assert answer_type(question, "The outage in 2023 hit the EU-2 region.", "The outage in 2023 hit EU-2.") == 0.0
+    assert answer_type(question, "The outage lasted 4 hours.", "The outage lasted 4 hours.") == 1.0
+
+
+def test_a_person_asked_and_only_an_organisation_present_is_not_an_answer() -> None:
+    question = "Who founded the dairy?"
+    organisation = "The dairy was founded by the Ostmoor Farming Association."
+    person = "The dairy was founded by Ingrid Halvorsen."
+    assert answer_type(question, organisation, organisation) == 0.0
+    assert answer_type(question, person, person) == 1.0
+
+
+def test_an_answer_only_outside_the_best_sentence_counts_for_less() -> None:
+    question = "How long is the Kestrel Bridge?"
+    passage = f"{BRIDGE_DATE} It spans 312 metres."
+    assert answer_type(question, BRIDGE_DATE, passage) == 0.75
+
+
+def test_a_year_asked_and_another_year_present_contradicts_the_question() -> None:
+    question = "What was the cooperative's revenue in 2017?"
+    assert constraints(question, "The cooperative's revenue in 2021 was 4 million crowns.") == 0.0
+    assert constraints(question, "The cooperative's revenue in 2017 was 4 million crowns.") == 1.0
+    assert constraints(question, "The cooperative's revenue was 4 million crowns.") == 0.25
+    assert constraints("What is the cooperative's revenue?", "Revenue in 2021 was 4 million.") == 0.5
+
+
+def test_codes_and_versions_are_not_numbers_to_keep() -> None:
+    # "EU-2" and "Q3" name things; a passage about the EU-2 outage that gives its length does not contradict "2".
+    assert constraints("How long did the EU-2 outage in Q3 last?", "The EU-2 outage lasted 4 hours.") == 0.5
+
+
+def test_quoted_names_in_the_question_must_be_in_the_passage() -> None:
+    question = 'Who wrote "The Salt Road"?'
+    assert constraints(question, "The Salt Road was written by Anna Berg.") == 1.0
+    assert constraints(question, "The Iron Road was written by Anna Berg.") == 0.25
+
+
+def test_the_evidence_scorer_prefers_the_passage_that_holds_the_kind_asked() -> None:
+    scorer = EvidenceScorer(corpus=[BRIDGE_DATE, BRIDGE_LENGTH, "Farrow is a town on the Lune estuary."])
+    question = "How long is the Kestrel Bridge in Farrow?"
+    rows = scorer.features(question, [BRIDGE_DATE, BRIDGE_LENGTH])
+    kind = FEATURES.index("answer_type")
+    assert rows[0, kind] == 0.0 and rows[1, kind] == 1.0
+    date_score, length_score = scorer.score_texts(question, [BRIDGE_DATE, BRIDGE_LENGTH])
+    assert length_score > date_score

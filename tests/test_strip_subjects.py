@@ -1,0 +1,58 @@
+"""Strips that refer back ("It spans ...") are graded with what they refer to, and kept as themselves."""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from llama_index_crag.refiner import StripRefiner, decompose, refers_back
+from llama_index_crag.scorers.base import RelevanceScorer
+
+PAGE = (
+    "The Kestrel Bridge in Farrow opened in 1887 after nine years of work. "
+    "It spans 312 metres across the Lune estuary and carries the coast road. "
+    "Farrow council repainted the railings in a deep green colour in 2019."
+)
+
+
+class SubjectScorer(RelevanceScorer):
+    """Scores 0.9 a text that names the bridge and gives a length, else 0.1; records what it was given."""
+
+    name = "subject-scorer"
+
+    def __init__(self) -> None:
+        self.seen: List[str] = []
+
+    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
+        self.seen.extend(texts)
+        return [0.9 if "Kestrel Bridge" in t and "metres" in t else 0.1 for t in texts]
+
+
+def test_sentences_that_refer_back_are_recognised() -> None:
+    assert refers_back("It spans 312 metres.") and refers_back("They voted in 2021.")
+    assert refers_back("The company reported ARR of $48.2 million.")
+    assert not refers_back("Ingrid Halvorsen chairs the cooperative.")
+    assert not refers_back("Items in the list are sorted.")
+
+
+def test_a_pronoun_led_strip_carries_the_sentence_before_it_as_context() -> None:
+    strips = decompose(PAGE, min_tokens=8)
+    assert [s.context for s in strips] == ["", strips[0].text, ""]
+    assert strips[1].text.startswith("It spans") and strips[1].graded_text.startswith("The Kestrel Bridge")
+
+
+def test_a_pronoun_led_first_strip_carries_the_title() -> None:
+    strips = decompose("It spans 312 metres across the Lune estuary and carries the coast road.", 8, "Kestrel Bridge")
+    assert strips[0].context == "Kestrel Bridge"
+
+
+def test_the_refiner_grades_the_strip_with_its_subject_and_keeps_the_original_sentence() -> None:
+    scorer = SubjectScorer()
+    refiner = StripRefiner(scorer, threshold=0.5)
+    node = NodeWithScore(node=TextNode(text=PAGE), score=0.6)
+    refinement = refiner.refine(QueryBundle("How long is the Kestrel Bridge in Farrow?"), [node])
+    kept = [s for s in refinement.strips if s.kept]
+    assert [s.text for s in kept] == ["It spans 312 metres across the Lune estuary and carries the coast road."]
+    assert refinement.nodes[0].node.get_content() == kept[0].text
+    assert any(t.startswith("The Kestrel Bridge") and "312 metres" in t for t in scorer.seen)
