@@ -187,6 +187,50 @@ def _grade_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grade_pairs(args: argparse.Namespace) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from llama_index_crag.calibration.pair_report import held_out_rows, pair_figures, pair_table
+    from llama_index_crag.calibration.report import build_scorer
+
+    rows = held_out_rows(args.pairs_file, limit=args.limit)
+    corpus = list(dict.fromkeys(r["passage"] for r in rows))
+    names = ["default", *[s.strip() for s in args.scorers.split(",") if s.strip() and s.strip() != "default"]]
+    results, seen = [], set()
+    for name in names:
+        scorer = build_scorer(name, corpus)
+        if scorer.name in seen:
+            continue
+        seen.add(scorer.name)
+        desc = scorer.name[:40]
+        bar = (lambda it, d=desc: tqdm(it, total=len(rows), desc=d)) if args.progress else iter
+        result = pair_figures(scorer, rows, folds=args.folds, progress=bar)
+        result["default"] = name == "default"
+        results.append(result)
+    print(f"{args.pairs_file}: {len(rows)} held-out pairs ({results[0]['protocol']})\n")
+    print(pair_table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"pairs_file": str(args.pairs_file), "results": results}, indent=2) + "\n")
+        print(f"\nWrote {args.out}")
+    return 0
+
+
+def _pack_grader(args: argparse.Namespace) -> int:
+    from llama_index_crag.calibration.packaging import pack_grader
+
+    notice = Path(args.notice).read_text(encoding="utf-8") if args.notice else None
+    packed = pack_grader(args.grader, args.out, args.calibration, quantize=args.int8, notice=notice)
+    size = sum(f.stat().st_size for f in Path(args.out).iterdir()) / 1e6
+    print(
+        f"Packed {args.grader} into {args.out} ({size:.1f} MB, float16 weights, "
+        f"{'int8' if packed['quantize'] else 'float32'} inference"
+        f"{', stacked model and thresholds from ' + str(args.calibration) if args.calibration else ''})"
+    )
+    return 0
+
+
 def _train_grader(args: argparse.Namespace) -> int:
     from llama_index_crag.calibration.labelled import load_labelled_pairs
     from llama_index_crag.calibration.pairs import make_pairs
@@ -198,7 +242,9 @@ def _train_grader(args: argparse.Namespace) -> int:
     if args.pairs_file:
         sets.append(load_labelled_pairs(args.pairs_file, seed=args.seed))
     if args.corpus:
-        sets.append(make_pairs(args.corpus, count=args.pairs, claims=args.claims, seed=args.seed, progress=args.progress))
+        sets.append(
+            make_pairs(args.corpus, count=args.pairs, claims=args.claims, seed=args.seed, progress=args.progress)
+        )
     pairs = PairSet([p for s in sets for p in s.train], [p for s in sets for p in s.held_out])
     counts = pairs.counts()
     source = " and ".join(str(s) for s in (args.pairs_file, args.corpus) if s)
@@ -289,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train-grader",
         help="train a reading grader (a cross-encoder) on CPU from your corpus alone",
         description="Reads labelled question-passage pairs (--pairs-file) and/or makes pairs from a corpus (hard "
-        "negatives included), fine-tunes the bundled MiniLM on them under a time budget, keeps the best checkpoint by held-out AUROC, and writes a grader "
-        "directory for calibrate --scorer reader:DIR or CRAG_GRADER. Run it again to resume.",
+        "negatives included), fine-tunes the bundled MiniLM on them under a time budget, keeps the best "
+        "checkpoint by held-out AUROC, and writes a grader directory for calibrate --scorer reader:DIR or "
+        "CRAG_GRADER. Run it again to resume.",
     )
     train.add_argument(
         "--pairs-file",
@@ -327,6 +374,26 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--judge-limit", type=int, default=40, help="batches the (slow) LLM judge grades")
     report.add_argument("--out", default="grade-report", help="folder for the JSON, Markdown and PNG")
     report.set_defaults(run=_grade_report)
+    pairs = commands.add_parser(
+        "grade-pairs",
+        help="measure the grader on labelled pairs held out from training (the split train-grader uses)",
+    )
+    pairs.add_argument("--pairs-file", required=True, help="JSONL of question, passage, label (source, title)")
+    pairs.add_argument("--scorers", default="evidence,reader", help="comma-separated scorers (default comes first)")
+    pairs.add_argument("--folds", type=int, default=5, help="cross-validation folds for fitted scorers")
+    pairs.add_argument("--limit", type=int, default=None, help="a sample of N held-out pairs")
+    pairs.add_argument("--out", default=None, help="also write the figures to this JSON file")
+    pairs.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
+    pairs.set_defaults(run=_grade_pairs)
+    pack = commands.add_parser(
+        "pack-grader", help="make a trained grader directory shippable (float16, checksummed, stacked model inside)"
+    )
+    pack.add_argument("--grader", required=True, help="a directory written by llama-crag train-grader")
+    pack.add_argument("--out", required=True, help="the packed grader directory to write")
+    pack.add_argument("--calibration", default=None, help="calibrate --scorer reader:DIR output to carry inside")
+    pack.add_argument("--int8", action="store_true", help="score with the int8-quantised encoder (faster, less exact)")
+    pack.add_argument("--notice", default=None, help="a NOTICE file (the training data's licence) to ship beside it")
+    pack.set_defaults(run=_pack_grader)
     snippets = commands.add_parser(
         "snippets",
         help="derive a noisy on-topic snippet set from a dataset (the grader's hardest case) for grade-report",

@@ -85,6 +85,37 @@ def _check_embedding() -> Check:
     )
 
 
+def _check_grader() -> Check:
+    """Which grader ``from_defaults()`` will use here, loaded for real (``CRAG_GRADER`` chooses another)."""
+    start = time.perf_counter()
+    try:
+        from llama_index_crag.engine import default_scorer
+
+        scorer = default_scorer()
+        scorer.score_texts("How long is Vell Blue aged?", ["Vell Blue is aged for nine weeks in limestone caves."])
+    except Exception as exc:
+        return Check(
+            "grader",
+            FAIL,
+            f"{type(exc).__name__}: {exc}",
+            time.perf_counter() - start,
+            "unset CRAG_GRADER, or point it at a directory written by llama-crag train-grader",
+        )
+    seconds = time.perf_counter() - start
+    kind = (
+        "the packaged reader behind the evidence features" if scorer.name.startswith("reader:") else "evidence features"
+    )
+    if scorer.warnings:
+        return Check(
+            "grader",
+            WARN,
+            f"{scorer.name} ({kind}); {'; '.join(scorer.warnings)}",
+            seconds,
+            "reinstall llama-index-crag",
+        )
+    return Check("grader", OK, f"{scorer.name} ({kind})", seconds)
+
+
 def _check_ollama(url: str, model: str) -> Check:
     start = time.perf_counter()
     if ollama_has_model(url, model):
@@ -127,6 +158,7 @@ def run_checks(
     steps: Sequence[Callable[[], Check]] = (
         _check_torch,
         _check_embedding,
+        _check_grader,
         lambda: _check_ollama(ollama_url, ollama_model),
         _check_llama_cpp_build,
         lambda: check_generation(gguf),

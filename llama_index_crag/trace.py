@@ -100,6 +100,9 @@ class CragTrace:
     retry_score: Optional[float] = None
     abstained: bool = False
     abstain_reason: Optional[str] = None
+    #: What the user should know about how this answer was graded (a packaged grader that could
+    #: not be loaded, so the evidence features graded instead, say).
+    warnings: List[str] = field(default_factory=list)
     timings_ms: Dict[str, float] = field(default_factory=dict)
 
     @contextmanager

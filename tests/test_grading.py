@@ -269,6 +269,11 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
         == 0
     )
     report = json.loads((tmp_path / "r" / "grade-report.json").read_text())
+    from llama_index_crag.engine import default_scorer
+
+    # The first row is the engine's default scorer, whatever --scorers names; no scorer is measured twice.
+    assert report["results"][0]["default"] and report["results"][0]["scorer"] == default_scorer().name
+    assert len({r["scorer"] for r in report["results"]}) == len(report["results"]) >= 2
     rows = {r["scorer"]: r["rows"] for r in report["results"]}
     assert 0.5 < rows["evidence:all-MiniLM-L6-v2"]["out-of-corpus"]["auroc"] <= 1.0
     evidence = {r["scorer"]: r for r in report["results"]}["evidence:all-MiniLM-L6-v2"]
@@ -291,7 +296,8 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
     assert strips["evidence_strips"] > 10 and strips["other_strips"] > strips["evidence_strips"]
     assert 0.0 <= strips["evidence_kept"] <= 1.0 and 0.0 <= strips["at_lower"]["other_dropped"] <= 1.0
     assert (tmp_path / "r" / "grade-report.png").stat().st_size > 10_000
-    assert "| evidence:all-MiniLM-L6-v2 | out-of-corpus |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| evidence:all-MiniLM-L6-v2" in printed and "| out-of-corpus |" in printed and "(default) |" in printed
     with pytest.raises(ValueError, match="calibrate on a split"):
         from llama_index_crag.calibration.report import run_report
 

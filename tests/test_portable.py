@@ -109,12 +109,16 @@ def test_doctor_checks_every_part_and_says_what_to_fix(capsys: pytest.CaptureFix
     assert set(checks) == {
         "torch",
         "embedding model",
+        "grader",
         "Ollama",
         "llama.cpp build",
         "generator (llama.cpp)",
         "spaCy pipeline",
     }
     assert checks["embedding model"]["status"] == OK and "384 dimensions" in checks["embedding model"]["detail"]
+    from llama_index_crag.engine import default_scorer
+
+    assert checks["grader"]["status"] == OK and checks["grader"]["detail"].startswith(default_scorer().name)
     assert checks["Ollama"]["status"] == "warn" and "ollama pull" in checks["Ollama"]["fix"]
     assert checks["llama.cpp build"]["status"] == OK and "(portable)" in checks["llama.cpp build"]["detail"]
     assert checks["generator (llama.cpp)"]["status"] == OK

@@ -21,7 +21,14 @@ from llama_index_crag.calibration.pairs import (
 from llama_index_crag.calibration.training import TrainingConfig, train_grader
 from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.scorers.evidence import FEATURES
-from llama_index_crag.scorers.reader import GRADER_FILE, READER_FEATURES, ReaderScorer, load_reader, windows
+from llama_index_crag.scorers.reader import (
+    GRADER_FILE,
+    READER_FEATURES,
+    GraderLoadError,
+    ReaderScorer,
+    load_reader,
+    windows,
+)
 
 # The module trains a reader once (60 real steps on CPU): on a loaded 2-core machine that alone can pass the suite's
 # 300 s per-test limit, so this module gets more.
@@ -180,7 +187,7 @@ def test_a_grader_trained_on_another_base_model_is_refused(grader: Path, tmp_pat
     (copy / GRADER_FILE).write_text(json.dumps(info))
     with pytest.raises(ValueError, match="trained on base model"):
         ReaderScorer(copy)
-    with pytest.raises(FileNotFoundError, match="not a grader directory"):
+    with pytest.raises(GraderLoadError, match="not a grader directory"):
         ReaderScorer(tmp_path)
 
 
@@ -227,3 +234,24 @@ def test_eval_grades_with_the_reader_named_in_crag_grader(grader: Path, monkeypa
     monkeypatch.setenv("CRAG_GRADER", str(grader))
     scores = SCORERS["reader"](COOPERATIVE).score_texts("Who chairs the cooperative?", COOPERATIVE)
     assert all(0.0 <= s <= 1.0 for s in scores) and len(scores) == len(COOPERATIVE)
+
+
+@pytest.mark.slow
+def test_a_packed_grader_reads_as_the_trained_one_at_half_the_size(grader: Path, tmp_path: Path) -> None:
+    from llama_index_crag.calibration.packaging import pack_grader
+    from llama_index_crag.cli import main
+
+    packed = tmp_path / "packed"
+    calibration = tmp_path / "calibration.json"
+    args = ["calibrate", "--dataset", str(SAMPLE_DIR), "--scorer", f"reader:{grader}", "--out", str(calibration)]
+    assert main([*args, "--no-progress"]) == 0
+    info = pack_grader(grader, packed, calibration)
+    assert (packed / "reader.safetensors").stat().st_size < 0.6 * (grader / "reader.safetensors").stat().st_size
+    trained, shipped = ReaderScorer(grader, quantize=False), ReaderScorer(packed)
+    assert info["quantize"] is False and shipped._encoder is shipped.reader.encoder
+    question = "Who chairs the cooperative?"
+    assert np.allclose(trained.read(question, COOPERATIVE), shipped.read(question, COOPERATIVE), atol=0.05)
+    # The calibration travels inside: the packed grader grades with the fitted stack and thresholds.
+    fitted = json.loads(calibration.read_text())
+    assert shipped.weights.tolist() == pytest.approx(fitted["scorer_state"]["weights"])
+    assert shipped.default_thresholds["upper"] == pytest.approx(fitted["thresholds"]["upper"])

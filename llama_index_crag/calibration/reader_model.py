@@ -18,6 +18,19 @@ GRADER_FILE = "grader.json"
 WEIGHTS_FILE = "reader.safetensors"
 
 
+class GraderLoadError(ValueError):
+    """A grader directory that cannot be used: missing, of another version or base model, or damaged."""
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, read in blocks (a packaged grader records its weights' hash)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def base_fingerprint(base: Path) -> str:
     """A short hash of the base model's weights: a grader refuses a base other than the one it was trained on."""
     files = sorted(base.glob("*.safetensors")) or sorted(base.glob("*.bin"))
@@ -107,16 +120,26 @@ class Reader:
 
         return torch.ao.quantization.quantize_dynamic(copy.deepcopy(self.encoder), {torch.nn.Linear}, dtype=torch.qint8)
 
-    def save(self, out: Path, names: Sequence[str]) -> None:
+    def save(self, out: Path, names: Sequence[str], half: bool = False) -> None:
+        """Write the trained weights (``half``: as float16, half the size, for shipping; loading casts back)."""
+        import torch
         from safetensors.torch import save_file
 
         state = self.model.state_dict()
-        save_file({n: state[n].detach().cpu().contiguous() for n in names}, str(out / WEIGHTS_FILE))
+        dtype = torch.float16 if half else torch.float32
+        save_file({n: state[n].detach().cpu().to(dtype).contiguous() for n in names}, str(out / WEIGHTS_FILE))
 
     def load(self, path: Path) -> None:
+        """Load trained weights over the base model's; float16 weights are cast to the model's float32."""
         from safetensors.torch import load_file
 
-        missing = set(load_file(str(path))) - set(self.model.state_dict())
-        if missing:
-            raise ValueError(f"{path} holds weights this reader does not have: {sorted(missing)[:3]}")
-        self.model.load_state_dict(load_file(str(path), device=str(self.device)), strict=False)
+        try:
+            weights = load_file(str(path), device=str(self.device))
+        except Exception as exc:  # safetensors raises its own error types for a damaged header or body
+            raise GraderLoadError(
+                f"{path} cannot be read as safetensors weights ({exc}): retrain or reinstall it"
+            ) from exc
+        unknown = set(weights) - set(self.model.state_dict())
+        if unknown:
+            raise GraderLoadError(f"{path} holds weights this reader does not have: {sorted(unknown)[:3]}")
+        self.model.load_state_dict(weights, strict=False)

@@ -32,9 +32,18 @@ KINDS = (IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE)
 
 
 def build_scorer(name: str, corpus: Sequence[str], llm: Any = None) -> RelevanceScorer:
-    """A scorer by its CLI name: evidence, bi-encoder, llm-judge, reader:DIR, cross-encoder:MODEL, flag:MODEL."""
+    """A scorer by its CLI name: default (what ``from_defaults()`` grades with), evidence, reader (the packaged
+    one), reader:DIR, bi-encoder, llm-judge, cross-encoder:MODEL, flag:MODEL."""
     from llama_index_crag.scorers import BiEncoderScorer, CrossEncoderScorer, LLMJudgeScorer
 
+    if name == "default":
+        from llama_index_crag.engine import default_scorer
+
+        return default_scorer(corpus=corpus)
+    if name == "reader":
+        from llama_index_crag.scorers.reader import ReaderScorer, packaged_grader_path
+
+        return ReaderScorer(packaged_grader_path(), corpus=corpus)
     if name == "evidence":
         return EvidenceScorer(corpus=corpus)
     if name == "bi-encoder":
@@ -54,7 +63,8 @@ def build_scorer(name: str, corpus: Sequence[str], llm: Any = None) -> Relevance
     if name.startswith("flag:"):
         return CrossEncoderScorer(name.split(":", 1)[1], backend="flagembedding")
     raise ValueError(
-        f"unknown scorer {name!r}: use evidence, bi-encoder, llm-judge, reader:DIR, cross-encoder:MODEL or flag:MODEL"
+        f"unknown scorer {name!r}: use default, evidence, reader, reader:DIR, bi-encoder, llm-judge, "
+        "cross-encoder:MODEL or flag:MODEL"
     )
 
 
@@ -323,8 +333,9 @@ def table(results: Sequence[Mapping[str, Any]]) -> str:
     for result in results:
         for row, values in result["rows"].items():
             auroc = "-" if values["auroc"] is None else f"{values['auroc']:.3f}"
+            scorer = f"{result['scorer']} (default)" if result.get("default") else result["scorer"]
             lines.append(
-                f"| {result['scorer']} | {row} | {auroc} | {values['accuracy']:.3f} | {values['batches']} "
+                f"| {scorer} | {row} | {auroc} | {values['accuracy']:.3f} | {values['batches']} "
                 f"| {result['three_band_accuracy']:.3f} | {_ceiling(result)} | {result['pairs_per_second']:.0f} |"
             )
     return "\n".join(lines)
@@ -372,15 +383,23 @@ def run_report(
     min_tokens: int,
     progress: bool = True,
 ) -> Dict[str, Any]:
-    """Measure each scorer on ``dataset`` out of sample; write JSON, Markdown and a PNG to ``out``."""
+    """Measure each scorer on ``dataset`` out of sample; write JSON, Markdown and a PNG to ``out``.
+
+    The first row is always the engine's default scorer (``default``), whatever ``scorers`` names.
+    """
+    scorers = ["default", *[s for s in scorers if s != "default"]]
     labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress)
     batches, corpus = labelled.batches, labelled.corpus
     strips = labelled_strips(dataset, batches, min_tokens)
     calibration_data = json.loads(calibration.read_text(encoding="utf-8")) if calibration else None
     outcomes: List[Outcome] = []
     results: List[Dict[str, Any]] = []
+    measured: set = set()
     for name in scorers:
         scorer = build_scorer(name, corpus)
+        if scorer.name in measured:  # "evidence" named beside a default that is the evidence scorer
+            continue
+        measured.add(scorer.name)
         labelled.prime(scorer)
         subset = batches
         if name == "llm-judge":
@@ -392,6 +411,7 @@ def run_report(
             outcome = cross_validate(scorer, subset, folds=folds, targets=targets, progress=progress, strips=strips)
         result = figures(outcome)
         result["strips"] = outcome.strips
+        result["default"] = name == "default"
         outcomes.append(outcome)
         results.append(result)
     out.mkdir(parents=True, exist_ok=True)

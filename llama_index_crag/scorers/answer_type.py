@@ -65,14 +65,19 @@ _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
             r"|live|lived)\b",
             "duration",
         ),
-        (r"\bhow long\b|\bhow (tall|high|wide|deep|far|big|large)\b|\bwhat (is|was) the (length|height|width|depth|"
-         r"distance|area|size)\b|\b(length|height|distance) of\b", "length duration"),
+        (
+            r"\bhow long\b|\bhow (tall|high|wide|deep|far|big|large)\b|\bwhat (is|was) the (length|height|width|depth|"
+            r"distance|area|size)\b|\b(length|height|distance) of\b",
+            "length duration",
+        ),
         (r"\b(what|which|in what) (year|decade|century)\b|\bwhat year\b", "year"),
         (r"\bwhen\b|\bwhat (date|day|month|time)\b|\bwhich (date|day|month)\b", "date"),
         (r"\bwhat (percentage|percent|share|proportion)\b|\bhow many percent\b", "percent"),
-        (r"\bhow much\b.*\b(cost|costs|pay|paid|spend|spent|worth|price|earn|earned|raise|raised|sell|sold|charge)\b"
-         r"|\bwhat (is|was|were) (the |\w+'s )?(price|cost|budget|revenue|salary|fee|arr|income|profit|valuation)\b",
-         "amount"),
+        (
+            r"\bhow much\b.*\b(cost|costs|pay|paid|spend|spent|worth|price|earn|earned|raise|raised|sell|sold|charge)\b"
+            r"|\bwhat (is|was|were) (the |\w+'s )?(price|cost|budget|revenue|salary|fee|arr|income|profit|valuation)\b",
+            "amount",
+        ),
         (r"\bhow much\b", "amount count percent length"),
         (r"\bhow (many|old)\b|\bwhat (number|age)\b", "count"),
         (r"\bwho(m|se)?\b", "person"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
@@ -33,6 +33,9 @@ class RelevanceScorer(ABC):
     name: str = "scorer"
     normalization: str = "scores are already in [0, 1]"
     reuses_upstream_scores: bool = False
+    #: What went wrong in building this scorer that a user should see (a grader that could not be
+    #: loaded, say); every trace of an engine grading with it carries these in ``warnings``.
+    warnings: Tuple[str, ...] = ()
 
     @abstractmethod
     def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:

@@ -16,8 +16,10 @@ from llama_index_crag.calibration.reader_model import (
     GRADER_FILE,
     GRADER_VERSION,
     WEIGHTS_FILE,
+    GraderLoadError,
     Reader,
     base_fingerprint,
+    file_sha256,
 )
 from llama_index_crag.scorers.base import sigmoid
 from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer, fit_logistic
@@ -30,36 +32,55 @@ WINDOW_STRIDE = 60
 READ_CACHE_SIZE = 4096
 
 
+def packaged_grader_path() -> Path:
+    """The reader shipped inside the package (trained on human-labelled pairs; see its NOTICE)."""
+    return Path(__file__).resolve().parent.parent / "data" / "grader"
+
+
 def load_reader(
-    path: Path | str, base: Optional[Path] = None, quantize: bool = True
+    path: Path | str, base: Optional[Path] = None, quantize: Optional[bool] = None
 ) -> Tuple[Reader, Any, Dict[str, Any]]:
     """A trained reader from its grader directory: the reader, the encoder to score with, and its description.
 
-    Refuses a directory trained on another base model than ``base`` (the bundled MiniLM by default).
+    Refuses, with a ``GraderLoadError`` that says why, a directory that is not a grader, one of
+    another version, one trained on another base model than ``base`` (the bundled MiniLM by
+    default), and weights that do not match the SHA-256 the description records (damaged).
     """
     from llama_index_crag.bundled import bundled_embedding_path
 
     path = Path(path)
     described = path / GRADER_FILE
     if not described.exists():
-        raise FileNotFoundError(
+        raise GraderLoadError(
             f"{path} is not a grader directory (no {GRADER_FILE}): make one with llama-crag train-grader"
         )
-    info = json.loads(described.read_text())
-    if info.get("version") != GRADER_VERSION or info.get("kind") != "reader":
-        raise ValueError(
-            f"{described} is a grader of version {info.get('version')}, kind {info.get('kind')}; "
+    try:
+        info = json.loads(described.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GraderLoadError(f"{described} is not valid JSON ({exc}): retrain or reinstall it") from exc
+    if not isinstance(info, dict) or info.get("version") != GRADER_VERSION or info.get("kind") != "reader":
+        found = info if not isinstance(info, dict) else f"version {info.get('version')}, kind {info.get('kind')}"
+        raise GraderLoadError(
+            f"{described} describes a grader of {found}; "
             f"this library reads version {GRADER_VERSION} readers: retrain it"
         )
+    weights = path / WEIGHTS_FILE
+    if not weights.exists():
+        raise GraderLoadError(f"{path} has no {WEIGHTS_FILE}: retrain or reinstall it")
+    if info.get("weights_sha256") and file_sha256(weights) != info["weights_sha256"]:
+        raise GraderLoadError(
+            f"{weights} does not match the SHA-256 its {GRADER_FILE} records: the file is damaged; reinstall it"
+        )
     base = Path(base or bundled_embedding_path())
-    if base_fingerprint(base) != info["base_fingerprint"]:
-        raise ValueError(
-            f"{path} was trained on base model {info['base_model']} ({info['base_fingerprint']}), "
+    if base_fingerprint(base) != info.get("base_fingerprint"):
+        raise GraderLoadError(
+            f"{path} was trained on base model {info.get('base_model')} ({info.get('base_fingerprint')}), "
             f"not on {base} ({base_fingerprint(base)}): retrain it with llama-crag train-grader"
         )
-    reader = Reader(base, info["max_length"])
-    reader.load(path / WEIGHTS_FILE)
+    reader = Reader(base, int(info["max_length"]))
+    reader.load(weights)
     reader.model.eval()
+    quantize = bool(info.get("quantize", True)) if quantize is None else quantize
     return reader, reader.quantized_encoder() if quantize else reader.encoder, info
 
 
@@ -93,7 +114,13 @@ class ReaderScorer(EvidenceScorer):
         embed_model: The embedding model for the cosine feature (bundled MiniLM by default).
         corpus: Texts whose document frequencies give the IDF weights.
         quantize: Score with the int8 dynamically quantised encoder (the AUROC in the grader
-            directory was re-measured with it).
+            directory was re-measured with it); by default what the grader directory says
+            (``"quantize"``), else int8.
+
+    A grader directory may carry its fitted stacking (``"stack"`` in ``grader.json``: the
+    weights, the evidence-only weights of the cascade and its settling bounds) and the
+    three-band thresholds fitted with it (``"thresholds"``); the packaged grader does, so it
+    grades well before any calibration on the user's data.
     """
 
     normalization = "stacked logistic-model probability over the evidence features and a trained reader"
@@ -106,7 +133,7 @@ class ReaderScorer(EvidenceScorer):
         grader: Optional[str | Path] = None,
         embed_model: Optional[BaseEmbedding] = None,
         corpus: Optional[Iterable[str]] = None,
-        quantize: bool = True,
+        quantize: Optional[bool] = None,
         threads: Optional[int] = None,
     ) -> None:
         grader = grader or os.environ.get("CRAG_GRADER")
@@ -126,6 +153,10 @@ class ReaderScorer(EvidenceScorer):
         self.settle_above = 1.01
         self.reader_runs = 0
         self.settled = 0
+        if self.info.get("stack"):
+            self.load_state(self.info["stack"])
+        if self.info.get("thresholds"):
+            self.default_thresholds = {k: float(v) for k, v in self.info["thresholds"].items()}
         self._threads = threads
         self._read: Dict[Tuple[str, str], float] = {}
         self._lock = threading.Lock()
