@@ -141,14 +141,21 @@ class WebSearchSettings(BaseModel):
         overrides: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
         environ: Optional[Mapping[str, str]] = None,
     ) -> WebSearchSettings:
-        """Merge constructor values (a bool is ``enabled``), ``CRAG_WEB*`` variables and defaults."""
+        """Merge constructor values, ``CRAG_WEB*`` variables and defaults.
+
+        A bool is ``enabled``; a dict or a ``WebSearchSettings`` turns the web on unless it
+        says ``enabled: False`` (configuring a provider and then getting no search, silently,
+        is what nobody means).
+        """
         environ = os.environ if environ is None else environ
         if isinstance(overrides, WebSearchSettings):
-            given: Dict[str, Any] = overrides.model_dump(exclude_unset=True)
+            given: Dict[str, Any] = {"enabled": True, **overrides.model_dump(exclude_unset=True)}
         elif isinstance(overrides, bool):
             given = {"enabled": overrides}
+        elif overrides is None:
+            given = {}
         else:
-            given = dict(overrides or {})
+            given = {"enabled": True, **dict(overrides)}
         unknown = set(given) - set(cls.model_fields)
         if unknown:
             raise ValueError(f"unknown web settings {sorted(unknown)}; see WebSearchSettings for the names")

@@ -190,3 +190,17 @@ def test_settings_errors_name_the_fix() -> None:
         CragSettings.resolve({"upper": 0.5, "lower": 0.2}, environ={"CRAG_ENABLED": "maybe"})
     with pytest.raises(ValueError, match="invalid CRAG settings"):
         CragSettings.resolve({"upper": 0.5, "lower": 0.2}, environ={"CRAG_MAX_REWRITES": "-1"})
+
+
+def test_web_settings_given_as_a_dict_or_object_turn_the_web_on_unless_they_say_otherwise() -> None:
+    from llama_index_crag.settings import WebSearchSettings
+
+    given = {"provider": "searxng", "searxng_url": "http://127.0.0.1:9", "allow_domains": ["example.org"]}
+    assert WebSearchSettings.resolve(given, environ={}).enabled
+    assert WebSearchSettings.resolve(WebSearchSettings(provider="duckduckgo"), environ={}).enabled
+    assert not WebSearchSettings.resolve({**given, "enabled": False}, environ={}).enabled
+    assert not WebSearchSettings.resolve(None, environ={}).enabled
+    assert not WebSearchSettings.resolve(False, environ={"CRAG_WEB": "on"}).enabled
+    # The administrator's switch still wins over code that asks for the web.
+    forbidden = WebSearchSettings.resolve(given, environ={"CRAG_WEB_FORBIDDEN": "true"})
+    assert forbidden.enabled and forbidden.forbidden
