@@ -56,7 +56,8 @@ def main() -> None:
             labels.append(label)
             grounded.append(check.grounded is True)
     s, y, g = np.array(scores), np.array(labels), np.array(grounded)
-    print(f"HaluEval held-out rows: {len(rows)} ({len(y)} answers), check {'with' if args.with_grader else 'without'} the grader")
+    how = "with" if args.with_grader else "without"
+    print(f"HaluEval held-out rows: {len(rows)} ({len(y)} answers), check {how} the grader")
     print(f"AUROC (right above hallucinated): {roc_auc_score(y, s):.3f}")
     print(f"right answers grounded: {g[y == 1].mean():.3f}; hallucinated answers flagged: {1 - g[y == 0].mean():.3f}")
     print(f"check time per answer: p50 {np.percentile(times, 50):.2f} ms, p95 {np.percentile(times, 95):.2f} ms")

@@ -16,6 +16,7 @@ from llama_index_crag.evaluation import add_eval_parser
 from llama_index_crag.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 from llama_index_crag.portable import GeneratorUnavailable
 
+
 def _doctor(args: argparse.Namespace) -> int:
     from llama_index_crag.doctor import report, run_checks
 

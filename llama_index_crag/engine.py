@@ -157,7 +157,10 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         #: "extract" or "generate": the setting, or when unset, what the generator allows (``default_answer_mode``).
         self.answer_mode = settings.answer_mode or default_answer_mode(getattr(response_synthesizer, "_llm", None))
         self._quoter = EvidenceQuoter(
-            grader.scorer, max_quotes=settings.max_quotes, threshold=refiner.threshold, strip_min_tokens=refiner.strip_min_tokens
+            grader.scorer,
+            max_quotes=settings.max_quotes,
+            threshold=refiner.threshold,
+            strip_min_tokens=refiner.strip_min_tokens,
         )
         self._checker = GroundednessChecker(
             grader.scorer, use_scorer=settings.check_with_grader, strip_min_tokens=refiner.strip_min_tokens

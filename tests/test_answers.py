@@ -15,7 +15,6 @@ from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.cli import main
-from llama_index_crag.scorers.evidence import EvidenceScorer
 
 from .conftest import ALPHA, BETA, MarkerScorer, ScriptedLLM, make_engine
 

@@ -107,4 +107,3 @@ class EvidenceQuoter:
     async def aquote(self, question: str, nodes: Sequence[NodeWithScore]) -> QuotedAnswer:
         """``quote`` off the event loop (scoring is CPU-bound)."""
         return await asyncio.to_thread(self.quote, question, nodes)
-

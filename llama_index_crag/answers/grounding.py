@@ -133,7 +133,9 @@ def _quantities(text: str) -> List[Tuple[str, str, str]]:
 def _evidence(texts: Sequence[str], strip_min_tokens: int) -> _Evidence:
     text = "\n".join(texts)
     quantities = [(v, u) for _, v, u in _quantities(text)]
-    values = {v for v, _ in quantities} | {_value(w) for w in re.findall(r"[A-Za-z]+", text) if w.lower() in _WORD_NUMBERS}
+    values = {v for v, _ in quantities} | {
+        _value(w) for w in re.findall(r"[A-Za-z]+", text) if w.lower() in _WORD_NUMBERS
+    }
     strips = tuple(s.graded_text for t in texts for s in decompose(t, strip_min_tokens))
     return _Evidence(
         text=text.casefold(),
@@ -176,7 +178,9 @@ def _name_supported(name: str, evidence: _Evidence, asked: Set[str]) -> bool:
     words = [re.sub(r"['’]s$", "", w).casefold() for w in re.findall(r"[^\s]+", name)]
     words = [w.strip(".&") for w in words if w.casefold() not in _NAME_JOINERS]
     return all(
-        w in evidence.words or w in asked or all(p in evidence.words for p in re.findall(r"[^\W_]+", w)) for w in words if w
+        w in evidence.words or w in asked or all(p in evidence.words for p in re.findall(r"[^\W_]+", w))
+        for w in words
+        if w
     )
 
 

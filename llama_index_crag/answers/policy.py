@@ -23,7 +23,7 @@ def is_bundled_generator(llm: Any) -> bool:
 
 
 def default_answer_mode(llm: Any) -> AnswerMode:
-    """``extract`` when there is no generator (none, or a ``MockLLM``) or only the bundled small model, else ``generate``.
+    """``extract`` with no generator (none, or a ``MockLLM``) or only the bundled small model, else ``generate``.
 
     The bundled model's answers are wrong more often than right even from the right
     passage (docs/evaluation.md), so offline the engine quotes the passage instead; any

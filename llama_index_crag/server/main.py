@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 OPTIONS_ENV = "CRAG_SERVE_OPTIONS"
 
