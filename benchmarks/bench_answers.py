@@ -52,7 +52,8 @@ def _run(engine: CorrectiveQueryEngine, questions: List[Any]) -> List[Dict[str, 
 def _policy(row: Dict[str, Any], policy: str) -> Dict[str, Any]:
     """The answer ``policy`` gives from a flagged run's row (``before``: no check at all)."""
     if row["abstained"] or row["answered_by"] != "generate" or row["grounded"] or policy in ("before", "flag"):
-        return {"answered": not row["abstained"], "answer": row["answer"], "flagged": row["grounded"] is False}
+        flagged = policy == "flag" and row["grounded"] is False
+        return {"answered": not row["abstained"], "answer": row["answer"], "flagged": flagged}
     if policy == "abstain":
         return {"answered": False, "answer": "", "flagged": False}
     quoted = QuotedAnswer([Quote(**q) for q in row["quotes"]])

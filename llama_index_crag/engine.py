@@ -428,7 +428,10 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 trace.answered_by = "extract"
                 response = _text_response(quoted.text, context, streaming, is_async)
             else:
-                trace.abstain("no passage that survived grading holds text that can be quoted")
+                trace.abstain(
+                    "no passage that survived grading states what the question asks for "
+                    "(its kind of answer, and the figures and codes it names)"
+                )
         elif not trace.abstained:
             response = yield from self._generate(query_bundle, context, trace)
             trace.answered_by = "generate"

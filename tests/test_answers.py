@@ -16,7 +16,7 @@ from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.cli import main
 
-from .conftest import ALPHA, BETA, MarkerScorer, ScriptedLLM, make_engine
+from .conftest import ALPHA, BETA, Answering, MarkerScorer, ScriptedLLM, make_engine
 
 QUESTION = "What is the alpha project budget?"
 ALPHA_SCORER = {"alpha project budget for 2024": 0.9}
@@ -24,18 +24,6 @@ OUTAGE = (
     "The June 2023 EU-2 outage lasted 4 hours and 14 minutes. It began at 09:10 UTC when a storage node failed. "
     "Harbor Pro customers in the EU-2 region could not load dashboards."
 )
-
-
-class Answering(ScriptedLLM):
-    """Answers every question with ``answer`` (a generator that ignores its context when told to)."""
-
-    answer: str = ""
-
-    def _text(self, prompt: str) -> str:
-        if "You rewrite search queries" in prompt:
-            return super()._text(prompt)
-        self.calls["answer"] += 1
-        return self.answer
 
 
 def crag(response: Any) -> dict:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Sequence
 
 from llama_index.core.schema import NodeWithScore
 
 from llama_index_crag.refiner import decompose
+from llama_index_crag.scorers.answer_type import asked_kinds, holds_kind
 from llama_index_crag.scorers.base import RelevanceScorer
 
+#: Figures and codes a question names: years, quarters, versions, regions ("2023", "Q2", "7.2.1", "EU-2").
+_CODES = re.compile(r"[\w-]*\d(?:[\w-]|\.\d)*")
 #: The line that opens every quoted answer, so that nobody reads it as generated text.
 QUOTED_HEADER = "Quoted from the documents (not generated):"
 
@@ -54,14 +58,27 @@ def source_name(node: NodeWithScore) -> str:
     return f"{name}, {doc_id}" if name and doc_id and doc_id not in name else str(name or doc_id)
 
 
+def states_what_is_asked(question: str, text: str) -> bool:
+    """Whether ``text`` can answer ``question`` as a quote: it holds the kind of answer asked (a duration for
+    "how long", a date for "when", a name for "who"), and every figure or code the question names ("Q2 2023",
+    "EU-2", "7.2.1"). A strip about Q3 does not answer a question about Q2, however well it grades."""
+    kinds = asked_kinds(question)
+    if kinds is not None and not holds_kind(kinds, text, question):
+        return False
+    lowered = text.casefold()
+    return all(code.casefold() in lowered for code in _CODES.findall(question))
+
+
 class EvidenceQuoter:
     """Answers with the context's best strips instead of generating.
 
     Every context passage is split into knowledge strips (the refiner's ``decompose``),
     all strips are scored against the question in one batch with the grader's scorer,
-    and the best ``max_quotes`` are quoted: the best one always, the others only if they
-    clear ``threshold``. Quotes are ordered as the context is (by grade), and within a
-    passage as the text is, so a passage's sentences read in their own order.
+    and the best ``max_quotes`` of those that state what is asked (``states_what_is_asked``)
+    are quoted: the best one always, the others only if they clear ``threshold``. When no
+    strip states what is asked, nothing is quoted and the engine abstains. Quotes are
+    ordered as the context is (by grade), and within a passage as the text is, so a
+    passage's sentences read in their own order.
 
     Args:
         scorer: The grader's scorer.
@@ -90,7 +107,17 @@ class EvidenceQuoter:
             return QuotedAnswer([])
         scores = self.scorer.score_texts(question, [strip.graded_text for _, _, strip, _ in found])
         ranked = sorted(range(len(found)), key=lambda i: -scores[i])
-        chosen = [i for n, i in enumerate(ranked[: self.max_quotes]) if n == 0 or scores[i] >= self.threshold]
+        seen: set[str] = set()
+        eligible = []
+        for i in ranked:
+            strip, node = found[i][2], found[i][3]
+            text = " ".join(strip.text.split())
+            if text not in seen and states_what_is_asked(
+                question, f"{node.node.metadata.get('title') or ''} {strip.graded_text}"
+            ):
+                seen.add(text)
+                eligible.append(i)
+        chosen = [i for n, i in enumerate(eligible[: self.max_quotes]) if n == 0 or scores[i] >= self.threshold]
         chosen.sort(key=lambda i: found[i][:2])
         return QuotedAnswer(
             [
