@@ -429,8 +429,8 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 response = _text_response(quoted.text, context, streaming, is_async)
             else:
                 trace.abstain(
-                    "no passage that survived grading states what the question asks for "
-                    "(its kind of answer, and the figures and codes it names)"
+                    "no strip of the graded passages clears the strip threshold and states what the question "
+                    "asks for (its kind of answer, and the figures and codes it names)"
                 )
         elif not trace.abstained:
             response = yield from self._generate(query_bundle, context, trace)

@@ -75,15 +75,15 @@ class EvidenceQuoter:
     Every context passage is split into knowledge strips (the refiner's ``decompose``),
     all strips are scored against the question in one batch with the grader's scorer,
     and the best ``max_quotes`` of those that state what is asked (``states_what_is_asked``)
-    are quoted: the best one always, the others only if they clear ``threshold``. When no
-    strip states what is asked, nothing is quoted and the engine abstains. Quotes are
+    and clear ``threshold`` (the strip threshold: what the refiner would keep) are quoted.
+    When none does, nothing is quoted and the engine abstains. Quotes are
     ordered as the context is (by grade), and within a passage as the text is, so a
     passage's sentences read in their own order.
 
     Args:
         scorer: The grader's scorer.
         max_quotes: The most strips quoted.
-        threshold: The score a strip after the best must reach to be quoted too.
+        threshold: The score a strip must reach to be quoted.
         strip_min_tokens: Strip size, as the refiner's.
     """
 
@@ -117,7 +117,7 @@ class EvidenceQuoter:
             ):
                 seen.add(text)
                 eligible.append(i)
-        chosen = [i for n, i in enumerate(eligible[: self.max_quotes]) if n == 0 or scores[i] >= self.threshold]
+        chosen = [i for i in eligible[: self.max_quotes] if scores[i] >= self.threshold]
         chosen.sort(key=lambda i: found[i][:2])
         return QuotedAnswer(
             [
