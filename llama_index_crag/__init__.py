@@ -1,5 +1,7 @@
 """Corrective RAG for LlamaIndex: grade retrieval, then refine, fall back, rewrite or abstain."""
 
+from llama_index_crag.answers.extract import EvidenceQuoter
+from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
 from llama_index_crag.engine import (
     CorrectiveQueryEngine,
     GenerationError,
@@ -14,12 +16,15 @@ from llama_index_crag.settings import CragSettings, WebSearchSettings
 from llama_index_crag.web import WebSearchRetriever
 
 __all__ = [
+    "AnswerCheck",
     "CorrectiveQueryEngine",
     "CragSettings",
+    "EvidenceQuoter",
     "FallbackRetriever",
     "GenerationError",
     "RetrievalUnavailableError",
     "Grading",
+    "GroundednessChecker",
     "InvalidQueryError",
     "QueryRewriter",
     "RelevanceGrader",

@@ -16,9 +16,6 @@ from llama_index_crag.evaluation import add_eval_parser
 from llama_index_crag.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 from llama_index_crag.portable import GeneratorUnavailable
 
-#: The demo's answer line when no generator can run on this machine (the grading is still shown).
-NOT_GENERATED = "(not generated: no generator runs on this machine; see the Generator line above)"
-
 
 def _doctor(args: argparse.Namespace) -> int:
     from llama_index_crag.doctor import report, run_checks
@@ -30,28 +27,25 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from llama_index.core import VectorStoreIndex
-    from llama_index.core.llms import MockLLM
-    from llama_index.core.response_synthesizers.no_text import NoText
 
     from llama_index_crag.engine import CorrectiveQueryEngine
-    from llama_index_crag.models import default_embed_model, default_llm
-    from llama_index_crag.portable import GeneratorUnavailable
+    from llama_index_crag.models import default_embed_model, default_llm, ollama_has_model
 
     folder = Path(args.dataset)
     documents = load_documents(folder)
     questions: List[Question] = load_questions(folder)[: args.limit]
     say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
     say(f"Corpus: {len(documents)} documents from {folder}; {len(questions)} questions.")
-    generating = True
-    try:
-        llm, described = default_llm(args.ollama_url, args.ollama_model, gguf=args.gguf)
-        say(f"Generator: {described}.")
-    except (GeneratorUnavailable, ImportError, FileNotFoundError) as exc:
-        # Grading needs no generator: show every decision, and say plainly that no answer is generated.
-        generating = False
-        llm = MockLLM()
-        say(f"Generator: none. {exc}")
-        say("Showing the grading and the decision for every question; answers are not generated, no rewrite is tried.")
+    generate = args.generate or args.disable_crag
+    llm = None
+    if generate or ollama_has_model(args.ollama_url, args.ollama_model):
+        try:
+            llm, described = default_llm(args.ollama_url, args.ollama_model, gguf=args.gguf)
+            say(f"Generator: {described}.")
+        except (GeneratorUnavailable, ImportError, FileNotFoundError) as exc:
+            say(f"Generator: none. {exc}")
+    else:
+        say("Generator: none needed: answers quote the documents (--generate: the bundled SmolLM2 answers instead).")
     say("Embeddings: bundled all-MiniLM-L6-v2 (offline). Fallback: BM25 + sentence windows.")
     index = VectorStoreIndex.from_documents(documents, embed_model=default_embed_model(), show_progress=True)
     engine = CorrectiveQueryEngine.from_defaults(
@@ -60,17 +54,20 @@ def _demo(args: argparse.Namespace) -> int:
         enabled=False if args.disable_crag else None,
         explain=True if args.explain else None,
         calibration_path=args.calibration,
-        response_synthesizer=None if generating else NoText(llm=llm),
-        max_rewrites=None if generating else 0,
+        answer_mode="generate" if generate and llm is not None else None,
     )
     s = engine.settings
-    say(f"CRAG {'on' if s.enabled else 'off'}: scorer {engine.grader.scorer.name}, upper={s.upper}, lower={s.lower}\n")
+    say(f"CRAG {'on' if s.enabled else 'off'}: scorer {engine.grader.scorer.name}, upper={s.upper}, lower={s.lower}")
+    if engine.answer_mode == "extract":
+        say("Answers: quoted from the graded passages, with their sources; nothing is generated.\n")
+    else:
+        say(f"Answers: generated, each checked against its passages (an unsupported one: {s.on_ungrounded}).\n")
     rows = []
     for q in tqdm(questions, desc="questions", disable=not args.progress):
         response = engine.query(q.question)
         crag = (response.metadata or {})["crag"]
         sources = [n.node.metadata.get("doc_id", n.node.node_id) for n in response.source_nodes]
-        answer = str(response).strip() if generating or crag["abstained"] else NOT_GENERATED
+        answer = str(response).strip()
         rows.append({"qid": q.qid, "question": q.question, "answer": answer, "sources": sources, **crag})
         if not args.json:
             _print_row(q, answer, crag, sources)
@@ -99,18 +96,48 @@ def _print_row(q: Question, answer: str, crag: dict, sources: Sequence[str]) -> 
             + f"; lacks: {', '.join(why['missing_terms'][:5]) or 'nothing'}"
         )
     if crag.get("rewritten_query"):
-        print(f"  rewritten query: {crag['rewritten_query']}  fallback: {', '.join(crag['fallback_sources']) or '-'}")
+        print(
+            f"  rewritten query ({crag['rewrite_source']}): {crag['rewritten_query']}  "
+            f"fallback: {', '.join(crag['fallback_sources']) or '-'}"
+        )
+    check = crag.get("answer_check") or {}
+    if check and crag["answered_by"] != "generate":
+        print(f"  the generated answer's check: {_described_check(check)}")
     if crag["abstained"]:
         print(f"  why: {crag['abstain_reason']}")
-    print(f"  answer: {' '.join(answer.split())[:300]}")
+    if crag["answered_by"] == "extract":
+        print("  answer (quoted):")
+        for quote in crag["quotes"]:
+            print(f"    \"{' '.join(quote['text'].split())[:300]}\" ({quote['source']})")
+    elif crag["answered_by"] == "generate":
+        label = "generated" if not check else f"generated, {_described_check(check)}"
+        print(f"  answer ({label}): {' '.join(answer.split())[:300]}")
+    else:
+        print(f"  answer: {' '.join(answer.split())[:300]}")
     print(f"  sources: {', '.join(sources) or '-'}   crag_ms: {crag['timings_ms']['crag_ms']:.0f}\n")
+
+
+def _described_check(check: dict) -> str:
+    """One line on an answer's check: supported, or what was not, or why it could not be checked."""
+    if check.get("grounded"):
+        return "supported by its sources"
+    if check.get("grounded") is None:
+        return f"NOT CHECKED ({check.get('reason')})"
+    unsupported = ", ".join(check.get("unsupported", [])[:6])
+    return f"NOT SUPPORTED by its sources ({unsupported or check.get('reason')})"
 
 
 def _print_summary(rows: List[dict]) -> None:
     actions = {a: sum(1 for r in rows if r["action"] == a) for a in ("correct", "ambiguous", "incorrect", "disabled")}
     abstained = sum(1 for r in rows if r["abstained"])
     shares = ", ".join(f"{a} {n}" for a, n in actions.items() if n)
-    print(f"Summary: {len(rows)} questions; actions: {shares}; abstained on {abstained}.")
+    quoted = sum(1 for r in rows if r["answered_by"] == "extract")
+    generated = [r for r in rows if r["answered_by"] == "generate"]
+    flagged = sum(1 for r in generated if r.get("grounded") is not True and r.get("answer_check"))
+    print(
+        f"Summary: {len(rows)} questions; actions: {shares}; abstained on {abstained}; "
+        f"answered by quoting {quoted}, by generating {len(generated)} ({flagged} flagged as not supported)."
+    )
 
 
 def _targets(args: argparse.Namespace) -> dict:
@@ -294,9 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--limit", type=int, default=None, help="ask only the first N questions")
     demo.add_argument("--ollama-url", default=DEFAULT_OLLAMA_URL, help="Ollama server to try first")
     demo.add_argument("--ollama-model", default=DEFAULT_OLLAMA_MODEL, help="Ollama model to use when it answers")
+    demo.add_argument(
+        "--generate",
+        action="store_true",
+        help="generate the answers (Ollama if it answers, else the bundled SmolLM2 in llama.cpp) instead of quoting",
+    )
     demo.add_argument("--gguf", default=None, help="a GGUF model file for llama.cpp instead of the bundled SmolLM2")
     demo.add_argument("--calibration", default=None, help="calibration JSON with the thresholds")
-    demo.add_argument("--disable-crag", action="store_true", help="plain retrieve-then-generate, for comparison")
+    demo.add_argument(
+        "--disable-crag", action="store_true", help="plain retrieve-then-generate, for comparison (implies --generate)"
+    )
     demo.add_argument("--json", action="store_true", help="print every trace as JSON")
     demo.add_argument(
         "--explain", action="store_true", help="show why the best candidate scored what it did (as CRAG_EXPLAIN=true)"

@@ -24,13 +24,17 @@ from llama_index.core.base.response.schema import (
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.indices.base import BaseIndex
 from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.llms import LLM
+from llama_index.core.llms import LLM, MockLLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 from llama_index.core.settings import Settings
 
+from llama_index_crag.answers.extract import EvidenceQuoter, QuotedAnswer
+from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
+from llama_index_crag.answers.keywords import keyword_query
+from llama_index_crag.answers.policy import default_answer_mode, outcome_of
 from llama_index_crag.datasets import clean_text
 from llama_index_crag.fallback import SOURCE_KEY, FallbackRetriever
 from llama_index_crag.grader import Grading, RelevanceGrader, Verdict
@@ -54,6 +58,10 @@ logger = logging.getLogger(__name__)
 PACKAGED_READER_IS_DEFAULT = False
 
 dispatcher = get_dispatcher(__name__)
+
+
+#: What LlamaIndex's synthesizers answer when the LLM returned no text.
+_SYNTHESIZER_EMPTY = "Empty Response"
 
 
 class InvalidQueryError(ValueError):
@@ -155,6 +163,17 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         self._postprocessors = list(node_postprocessors or [])
         self._quoting: Optional[BaseSynthesizer] = None
         self.settings = settings
+        #: "extract" or "generate": the setting, or when unset, what the generator allows (``default_answer_mode``).
+        self.answer_mode = settings.answer_mode or default_answer_mode(getattr(response_synthesizer, "_llm", None))
+        self._quoter = EvidenceQuoter(
+            grader.scorer,
+            max_quotes=settings.max_quotes,
+            threshold=refiner.threshold,
+            strip_min_tokens=refiner.strip_min_tokens,
+        )
+        self._checker = GroundednessChecker(
+            grader.scorer, use_scorer=settings.check_with_grader, strip_min_tokens=refiner.strip_min_tokens
+        )
         super().__init__(callback_manager=callback_manager or response_synthesizer.callback_manager)
 
     @classmethod
@@ -259,7 +278,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 similarity_top_k=resolved.similarity_top_k,
             )
         synthesizer = response_synthesizer or get_response_synthesizer(
-            llm=llm, response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
+            llm=llm or MockLLM(), response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
         )
         return cls(
             retriever=retriever,
@@ -277,7 +296,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 strip_min_tokens=resolved.strip_min_tokens,
             ),
             fallback=fallback,
-            rewriter=QueryRewriter(llm),
+            rewriter=QueryRewriter(llm) if llm is not None else None,
             response_synthesizer=synthesizer,
             settings=resolved,
             node_postprocessors=node_postprocessors,
@@ -410,29 +429,148 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         if not context and not trace.abstained:
             trace.abstain("no candidate passage survived retrieval and grading")
 
-        if trace.abstained:
-            response = _abstention(s.abstain_text, bool(getattr(self._synthesizer, "_streaming", False)), is_async)
-        else:
-            synthesizer, sources = self._synthesizer, context
-            if any(is_web(n) for n in context):
-                context = sorted(context, key=is_web)
-                synthesizer, sources = self._quoting_synthesizer(), quote_sources(context)
-            with trace.timed("generate"):
-                try:
-                    response = yield _Io(
-                        _bind(synthesizer.synthesize, query_bundle, sources),
-                        _bind(synthesizer.asynthesize, query_bundle, sources),
-                    )
-                except Exception as exc:
-                    llm = getattr(self._synthesizer, "_llm", None)
-                    raise GenerationError(
-                        f"the generator {describe_llm(llm) if llm is not None else ''} failed: "
-                        f"{type(exc).__name__}: {exc}"
-                    ) from exc
-            response.source_nodes = list(context)
+        streaming = bool(getattr(self._synthesizer, "_streaming", False))
+        trace.answer_mode = self.answer_mode if s.enabled else "generate"
+        response: Optional[RESPONSE_TYPE] = None
+        if not trace.abstained and trace.answer_mode == "extract":
+            quoted = yield from self._quote(query_bundle, context, trace)
+            if quoted.quotes:
+                trace.answered_by = "extract"
+                response = _text_response(quoted.text, context, streaming, is_async)
+            else:
+                trace.abstain(
+                    "no strip of the graded passages clears the strip threshold and states what the question "
+                    "asks for (its kind of answer, and the figures and codes it names)"
+                )
+        elif not trace.abstained:
+            response = yield from self._generate(query_bundle, context, trace)
+            trace.answered_by = "generate"
+            if s.enabled and s.check_answers and not streaming:
+                response = yield from self._check(query_bundle, context, response, trace, is_async)
+        if trace.abstained or response is None:
+            trace.answered_by = "abstain"
+            response = _text_response(s.abstain_text, [], streaming, is_async)
         response.metadata = {**(response.metadata or {}), "crag": trace.to_dict()}
+        if trace.answered_by == "generate" and streaming and s.enabled and s.check_answers:
+            _check_when_streamed(response, self._stream_check(query_bundle, context, response))
         dispatcher.event(trace.publish())
         return response
+
+    def _generate(
+        self, query_bundle: QueryBundle, context: List[NodeWithScore], trace: CragTrace
+    ) -> Generator[_Io, Any, RESPONSE_TYPE]:
+        """The synthesizer's answer from the corrected context (web pages quoted between source tags)."""
+        synthesizer, sources = self._synthesizer, context
+        if any(is_web(n) for n in context):
+            context = sorted(context, key=is_web)
+            synthesizer, sources = self._quoting_synthesizer(), quote_sources(context)
+        with trace.timed("generate"):
+            try:
+                response = yield _Io(
+                    _bind(synthesizer.synthesize, query_bundle, sources),
+                    _bind(synthesizer.asynthesize, query_bundle, sources),
+                )
+            except Exception as exc:
+                llm = getattr(self._synthesizer, "_llm", None)
+                raise GenerationError(
+                    f"the generator {describe_llm(llm) if llm is not None else ''} failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        response.source_nodes = list(context)
+        return response
+
+    def _quote(
+        self, query_bundle: QueryBundle, context: List[NodeWithScore], trace: CragTrace
+    ) -> Generator[_Io, Any, QuotedAnswer]:
+        """The best strips of the context, quoted with their sources (recorded in the trace)."""
+        question = query_bundle.query_str
+        with trace.timed("extract"):
+            quoted = yield _Io(
+                _bind(self._quoter.quote, question, context), _bind(self._quoter.aquote, question, context)
+            )
+        trace.quotes = quoted.to_list()
+        return quoted
+
+    def _check(
+        self,
+        query_bundle: QueryBundle,
+        context: List[NodeWithScore],
+        response: RESPONSE_TYPE,
+        trace: CragTrace,
+        is_async: bool,
+    ) -> Generator[_Io, Any, Optional[RESPONSE_TYPE]]:
+        """Check a generated answer against its context and apply ``on_ungrounded``; None means abstain."""
+        question, answer = query_bundle.query_str, str(getattr(response, "response", None) or "")
+        if answer.strip() == _SYNTHESIZER_EMPTY:
+            answer = ""
+        evidence = _evidence(context)
+        with trace.timed("check"):
+            try:
+                check = yield _Io(
+                    _bind(self._checker.check, answer, evidence, question),
+                    _bind(self._checker.acheck, answer, evidence, question),
+                )
+            except Exception as exc:
+                check = AnswerCheck("error", None, reason=f"the check failed: {type(exc).__name__}: {exc}")
+        policy = self.settings.on_ungrounded
+        outcome = outcome_of(check, policy)
+        trace.grounded = check.grounded
+        trace.answer_check = {**check.to_dict(), "policy": policy, "outcome": outcome}
+        if outcome == "kept":
+            return response
+        quoted = yield from self._quote(query_bundle, context, trace)
+        if outcome == "flagged":
+            return response
+        if outcome == "extract" and quoted.quotes:
+            trace.answered_by = "extract"
+            return _text_response(quoted.text, context, False, is_async)
+        unsupported = ", ".join(check.unsupported[:5])
+        trace.abstain(
+            f"the generated answer failed its check against the sources ({check.reason}"
+            + (f"; unsupported: {unsupported}" if unsupported else "")
+            + ")"
+        )
+        return None
+
+    def _stream_check(
+        self, query_bundle: QueryBundle, context: List[NodeWithScore], response: RESPONSE_TYPE
+    ) -> Callable[[str, Optional[str]], None]:
+        """What runs when a streamed answer ends: check the finished text and record it in the response's trace.
+
+        A streamed answer was already sent, so ``on_ungrounded`` cannot replace it: an
+        ungrounded one is flagged, with the quoted evidence beside it in the trace.
+        """
+
+        def finish(answer: str, cut: Optional[str]) -> None:
+            crag = response.metadata["crag"]  # type: ignore[index]
+            started = time.perf_counter()
+            if cut is not None:
+                check = AnswerCheck("incomplete", None, reason=f"the stream ended before the answer did: {cut}")
+            else:
+                try:
+                    check = self._checker.check(answer, _evidence(context), query_bundle.query_str)
+                except Exception as exc:
+                    check = AnswerCheck("error", None, reason=f"the check failed: {type(exc).__name__}: {exc}")
+            outcome = outcome_of(check, "flag")
+            if outcome != "kept":
+                try:
+                    crag["quotes"] = self._quoter.quote(query_bundle.query_str, context).to_list()
+                except Exception as exc:
+                    crag["quotes"] = []
+                    check.reason = f"{check.reason}; the evidence could not be quoted: {type(exc).__name__}: {exc}"
+            crag["grounded"] = check.grounded
+            crag["answer_check"] = {
+                **check.to_dict(),
+                "policy": self.settings.on_ungrounded,
+                "outcome": outcome,
+                "streamed": True,
+            }
+            elapsed = round((time.perf_counter() - started) * 1000.0, 3)
+            timings = crag["timings_ms"]
+            timings["check"] = elapsed
+            timings["crag_ms"] = round(timings.get("crag_ms", 0.0) + elapsed, 3)
+
+        return finish
 
     def _refine(
         self, query_bundle: QueryBundle, nodes: List[NodeWithScore], grading: Grading, trace: CragTrace
@@ -476,21 +614,18 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             trace.abstain("retrieval graded incorrect and no fallback retriever is configured")
             return []
         search = query_bundle.query_str
+        tried = set()
         for attempt in range(max(1, s.max_rewrites)):
-            if s.max_rewrites > 0 and self._rewriter is not None:
-                rewriter = self._rewriter
+            if s.max_rewrites > 0:
                 try:
                     with trace.timed("rewrite"):
-                        search = yield _Io(
-                            _bind(rewriter.rewrite, search), _bind(rewriter.arewrite, search), _left(deadline)
-                        )
-                except RewriteError as exc:
-                    trace.rewrite_error = str(exc)
-                    trace.abstain(f"the query rewrite failed: {exc}")
-                    return []
+                        search = yield from self._rewrite(search, query_bundle.query_str, trace, deadline)
                 except CorrectiveTimeout:
                     trace.abstain(f"the query rewrite ran past the {s.correction_timeout_s:g} s correction budget")
                     return []
+                if search.casefold() in tried:
+                    break
+                tried.add(search.casefold())
                 trace.rewrites = attempt + 1
                 trace.rewritten_query = search
             try:
@@ -510,6 +645,26 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         )
         trace.abstain(reason + _web_shortfall(trace))
         return []
+
+    def _rewrite(self, search: str, question: str, trace: CragTrace, deadline: float) -> Generator[_Io, Any, str]:
+        """The LLM's rewrite of ``search``; when it fails (or there is no LLM), the question's keywords.
+
+        A small model's JSON rewrite is often invalid, empty, unchanged or noise: the
+        deterministic keyword rewrite (``keyword_query``) replaces it, so the engine never
+        abstains for a broken rewrite, only for missing evidence.
+        """
+        if self._rewriter is not None:
+            rewriter = self._rewriter
+            try:
+                rewritten = yield _Io(
+                    _bind(rewriter.rewrite, search), _bind(rewriter.arewrite, search), _left(deadline)
+                )
+                trace.rewrite_source = "llm"
+                return str(rewritten)
+            except RewriteError as exc:
+                trace.rewrite_error = str(exc)
+        trace.rewrite_source = "keyword"
+        return keyword_query(question)
 
     def _postprocess(
         self, nodes: List[NodeWithScore], query_bundle: QueryBundle, deadline: Optional[float]
@@ -612,14 +767,9 @@ def default_scorer(
         return scorer
 
 
-def _settings_llm() -> LLM:
-    llm = getattr(Settings, "_llm", None)
-    if llm is None:
-        raise ValueError(
-            "CorrectiveQueryEngine needs an LLM: pass llm=Ollama(model=..., context_window=...) "
-            "or llm=llama_index_crag.models.default_llm()[0], or set Settings.llm"
-        )
-    return llm
+def _settings_llm() -> Optional[LLM]:
+    """LlamaIndex's ``Settings.llm`` when one is set; None otherwise (the engine then quotes, never generates)."""
+    return getattr(Settings, "_llm", None)
 
 
 def _checked_query(query_bundle: QueryBundle, max_chars: int) -> QueryBundle:
@@ -679,20 +829,74 @@ def _record(trace: CragTrace, nodes: Sequence[NodeWithScore], grading: Grading) 
         trace.top_score = round(grading.top_score, 4)
 
 
-def _abstention(text: str, streaming: bool, is_async: bool) -> RESPONSE_TYPE:
+def _evidence(context: Sequence[NodeWithScore]) -> List[str]:
+    """The passage texts an answer was generated from, as the generator saw them."""
+    return [n.node.get_content() for n in context]
+
+
+def _text_response(text: str, sources: Sequence[NodeWithScore], streaming: bool, is_async: bool) -> RESPONSE_TYPE:
+    """A response that is a fixed text (an abstention or a quoted answer), streamed in one piece when asked."""
     if not streaming:
-        return Response(response=text, source_nodes=[])
+        return Response(response=text, source_nodes=list(sources))
     if is_async:
 
         async def once() -> Any:
             yield text
 
-        return AsyncStreamingResponse(response_gen=once(), source_nodes=[])
+        return AsyncStreamingResponse(response_gen=once(), source_nodes=list(sources))
 
     def single() -> Generator[str, None, None]:
         yield text
 
-    return StreamingResponse(response_gen=single(), source_nodes=[])
+    return StreamingResponse(response_gen=single(), source_nodes=list(sources))
+
+
+def _check_when_streamed(response: RESPONSE_TYPE, finish: Callable[[str, Optional[str]], None]) -> None:
+    """Wrap a streamed answer's tokens so that ``finish(text, cut)`` runs when the stream ends.
+
+    ``cut`` is None when the generator ran to its end, else why it did not (the reader
+    stopped reading, or the generator raised): the trace then says the answer is unchecked.
+    """
+    crag = response.metadata["crag"]  # type: ignore[index]
+    crag["answer_check"] = {"status": "pending", "grounded": None, "reason": "checked when the stream ends"}
+    tokens = response.response_gen  # type: ignore[union-attr]
+    if hasattr(tokens, "__aiter__"):
+
+        async def checked_async() -> Any:
+            parts: List[str] = []
+            cut: Optional[str] = "the reader stopped reading"
+            try:
+                async for token in tokens:
+                    parts.append(token)
+                    yield token
+                cut = None
+            except Exception as exc:
+                cut = f"{type(exc).__name__}: {exc}"
+                raise
+            finally:
+                if cut is None:
+                    await asyncio.to_thread(finish, "".join(parts), None)
+                else:
+                    finish("".join(parts), cut)
+
+        response.response_gen = checked_async()  # type: ignore[union-attr]
+        return
+
+    def checked() -> Generator[str, None, None]:
+        parts: List[str] = []
+        cut: Optional[str] = "the reader stopped reading"
+        try:
+            for token in tokens:
+                parts.append(token)
+                yield token
+            cut = None
+        except Exception as exc:
+            cut = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            finish("".join(parts), cut)
+
+    response.response_gen = checked()  # type: ignore[union-attr]
 
 
 def _run_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float]) -> Any:

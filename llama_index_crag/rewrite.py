@@ -8,6 +8,7 @@ from llama_index.core.prompts import PromptTemplate
 
 from llama_index_crag.datasets import clean_text
 from llama_index_crag.models import describe_llm
+from llama_index_crag.scorers.evidence import terms
 
 DEFAULT_REWRITE_PROMPT = PromptTemplate(
     "You rewrite search queries so that a document search finds the passages that answer them.\n"
@@ -25,15 +26,16 @@ class RewrittenQuery(BaseModel):
 
 
 class RewriteError(RuntimeError):
-    """The rewrite failed; the engine abstains and records ``str(error)`` as the reason."""
+    """The rewrite failed; the engine records ``str(error)`` and searches with the question's keywords instead."""
 
 
 class QueryRewriter:
     """Rewrites a query once through the LLM's structured output (``RewrittenQuery``).
 
     Any failure raises ``RewriteError`` with a reason: the call raised, the output was
-    not valid JSON for the schema, the rewrite was empty, or it returned the query
-    unchanged (retrying the same query cannot change the result).
+    not valid JSON for the schema, the rewrite was empty, it returned the query
+    unchanged (retrying the same query cannot change the result), or it kept none of
+    the query's words (a small model's noise, such as a run of digits).
 
     Args:
         llm: The LLM to rewrite with (the engine's generator by default).
@@ -74,4 +76,7 @@ def _checked(query: str, result: object) -> str:
         raise RewriteError("the rewrite was empty")
     if rewritten.casefold() == " ".join(query.split()).casefold():
         raise RewriteError("the rewrite returned the query unchanged")
+    asked = set(terms(query))
+    if asked and not asked & set(terms(rewritten)):
+        raise RewriteError(f"the rewrite kept none of the query's words: {rewritten[:120]!r}")
     return rewritten

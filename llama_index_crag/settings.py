@@ -52,6 +52,25 @@ class CragSettings(BaseModel):
     )
     correction_timeout_s: float = Field(default=30.0, gt=0, description="Time budget of the whole correction path.")
     max_query_chars: int = Field(default=8000, ge=1, description="Longer queries are refused with a clear error.")
+    answer_mode: Optional[Literal["extract", "generate"]] = Field(
+        default=None,
+        description="extract: answer with the best graded strips, quoted with their sources, no generation; "
+        "generate: the synthesizer's answer, checked against its sources. None: extract when the generator is "
+        "the bundled small model or there is none, else generate.",
+    )
+    check_answers: bool = Field(
+        default=True, description="Check every generated answer against the passages it was generated from."
+    )
+    on_ungrounded: Literal["flag", "extract", "abstain"] = Field(
+        default="extract",
+        description="What an answer that fails the check becomes: kept and flagged, replaced by the quoted "
+        "evidence, or an abstention.",
+    )
+    check_with_grader: bool = Field(
+        default=False,
+        description="The check also scores each answer sentence against the passages with the grader's scorer.",
+    )
+    max_quotes: int = Field(default=2, ge=1, description="Strips quoted by an extractive answer.")
     abstain_text: str = Field(
         default="I don't know. The documents I can search do not answer this question.",
         description="The answer given when the engine abstains.",
@@ -189,7 +208,7 @@ def _web_from_env(environ: Mapping[str, str]) -> Dict[str, Any]:
     return found
 
 
-_BOOLEANS = ("enabled", "hybrid", "explain")
+_BOOLEANS = ("enabled", "hybrid", "explain", "check_answers", "check_with_grader")
 
 
 def _from_env(environ: Mapping[str, str]) -> Dict[str, Any]:

@@ -10,8 +10,8 @@ from typing import Any, Dict, Iterator, List, Optional
 from llama_index.core.instrumentation.events.base import BaseEvent
 from prometheus_client import Counter, Histogram
 
-STAGES = ("retrieve", "rerank", "grade", "refine", "rewrite", "fallback", "regrade", "generate")
-CORRECTION_STAGES = ("grade", "refine", "rewrite", "fallback", "regrade")
+STAGES = ("retrieve", "rerank", "grade", "refine", "rewrite", "fallback", "regrade", "generate", "extract", "check")
+CORRECTION_STAGES = ("grade", "refine", "rewrite", "fallback", "regrade", "check")
 
 ACTIONS = Counter(
     "crag_actions_total",
@@ -93,6 +93,8 @@ class CragTrace:
     rewritten_query: Optional[str] = None
     rewrites: int = 0
     rewrite_error: Optional[str] = None
+    #: Which rewrite was searched with: "llm" (the generator's JSON rewrite) or "keyword" (its deterministic fallback).
+    rewrite_source: Optional[str] = None
     fallback_sources: List[str] = field(default_factory=list)
     fallback_error: Optional[str] = None
     #: Each web search of the fallback: provider, the exact query sent, pages fetched and refused (see WebReport).
@@ -103,6 +105,16 @@ class CragTrace:
     #: What the user should know about how this answer was graded (a packaged grader that could
     #: not be loaded, so the evidence features graded instead, say).
     warnings: List[str] = field(default_factory=list)
+    #: How the engine answers: "extract" (quoted strips, no generation) or "generate".
+    answer_mode: str = "generate"
+    #: What produced the answer the user got: "generate", "extract" or "abstain" (None until decided).
+    answered_by: Optional[str] = None
+    #: The generated answer's check: True or False once read, None when unchecked (see answer_check["status"]).
+    grounded: Optional[bool] = None
+    #: The check itself: status, score and unsupported spans of each sentence, the policy and its outcome.
+    answer_check: Optional[Dict[str, Any]] = None
+    #: The quoted strips, with their sources, of an extractive answer (or of the evidence beside a failed check).
+    quotes: List[Dict[str, Any]] = field(default_factory=list)
     timings_ms: Dict[str, float] = field(default_factory=dict)
 
     @contextmanager

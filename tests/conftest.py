@@ -69,6 +69,18 @@ class ScriptedLLM(CustomLLM):
         return gen()
 
 
+class Answering(ScriptedLLM):
+    """Answers every question with ``answer``, whatever the context says (rewrites as ``ScriptedLLM``)."""
+
+    answer: str = ""
+
+    def _text(self, prompt: str) -> str:
+        if REWRITE_MARKER in prompt:
+            return super()._text(prompt)
+        self.calls["answer"] += 1
+        return self.answer
+
+
 class MarkerScorer(RelevanceScorer):
     """Scores a passage by the best marker word it contains (deterministic), counting calls."""
 

@@ -124,20 +124,21 @@ def test_a_dead_ollama_server_is_named_in_the_error(sample_index: VectorStoreInd
     assert time.monotonic() - started < 10
 
 
-def test_a_dead_ollama_server_on_the_rewrite_path_abstains(sample_index: VectorStoreIndex) -> None:
+def test_a_dead_ollama_server_on_the_rewrite_path_searches_with_keywords(sample_index: VectorStoreIndex) -> None:
     url = f"http://127.0.0.1:{_dead_port()}"
     llm = Ollama(model="qwen2.5:3b", base_url=url, request_timeout=5, context_window=4096)
     engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llm, fallback_sources=("bm25",))
     trace = engine.query("What is the boiling point of mercury?").metadata["crag"]
-    assert trace["abstained"] and "the query rewrite failed" in trace["abstain_reason"]
-    assert f"qwen2.5:3b at {url}" in trace["abstain_reason"]
+    assert f"qwen2.5:3b at {url}" in trace["rewrite_error"] and trace["rewrite_source"] == "keyword"
+    assert trace["abstained"] and "still below lower" in trace["abstain_reason"]
 
 
-def test_an_llm_that_returns_garbage_for_the_rewrite_abstains(sample_index: VectorStoreIndex) -> None:
+def test_an_llm_that_returns_garbage_for_the_rewrite_falls_back_to_keywords(sample_index: VectorStoreIndex) -> None:
     llm = ScriptedLLM(rewrite="\x00\x01 ]]} not json {{[")
     engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llm, fallback_sources=("bm25",))
     trace = engine.query("What is the boiling point of mercury?").metadata["crag"]
-    assert trace["abstained"] and "not valid JSON" in trace["abstain_reason"]
+    assert "not valid JSON" in trace["rewrite_error"] and trace["rewritten_query"] == "boiling point mercury"
+    assert trace["abstained"] and "still below lower" in trace["abstain_reason"]
 
 
 def test_control_characters_in_a_rewrite_are_cleaned_before_it_is_searched(sample_index: VectorStoreIndex) -> None:
@@ -148,17 +149,28 @@ def test_control_characters_in_a_rewrite_are_cleaned_before_it_is_searched(sampl
     empty = ScriptedLLM(rewrite='{"query": "\\u0000 \\u0007"}')
     engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=empty, fallback_sources=("bm25",))
     trace = engine.query(question).metadata["crag"]
-    assert trace["abstained"] and "the rewrite was empty" in trace["abstain_reason"]
+    assert "the rewrite was empty" in trace["rewrite_error"] and trace["rewrite_source"] == "keyword"
 
 
-def test_an_llm_that_answers_garbage_is_passed_through_with_its_sources(sample_index: VectorStoreIndex) -> None:
-    class Garbage(ScriptedLLM):
-        def _text(self, prompt: str) -> str:
-            return "\ufffd\x00{{{"
+class Garbage(ScriptedLLM):
+    def _text(self, prompt: str) -> str:
+        return "\ufffd\x00{{{"
 
+
+def test_an_llm_that_answers_garbage_is_replaced_by_the_quoted_evidence(sample_index: VectorStoreIndex) -> None:
     engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=Garbage(), fallback_sources=("bm25",))
     response = engine.query("Who is the chief executive officer of Harbor Analytics?")
-    assert str(response) == "\ufffd\x00{{{"
+    trace = response.metadata["crag"]
+    assert trace["grounded"] is False and trace["answered_by"] == "extract" and "Miriam Okafor" in str(response)
+    assert response.source_nodes and not trace["abstained"]
+
+
+def test_an_llm_that_answers_garbage_is_passed_through_flagged(sample_index: VectorStoreIndex) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, llm=Garbage(), fallback_sources=("bm25",), on_ungrounded="flag"
+    )
+    response = engine.query("Who is the chief executive officer of Harbor Analytics?")
+    assert str(response) == "\ufffd\x00{{{" and response.metadata["crag"]["grounded"] is False
     assert response.source_nodes and not response.metadata["crag"]["abstained"]
 
 

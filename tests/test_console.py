@@ -24,9 +24,11 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
+from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.server.app import ServerConfig, create_app
 from llama_index_crag.server.store import ingest, load_engine, load_index
+from tests.conftest import Answering
 from tests.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
@@ -300,6 +302,42 @@ def test_explain_draws_each_candidates_explanation(browser: WebDriver, server: L
         assert set(explanation["contributions"]) <= set(terms)
         missing = ", ".join(explanation["missing_terms"]) or "(none)"
         assert missing in drawn.text
+
+
+def test_a_quoted_answer_says_it_was_not_generated(browser: WebDriver, server: LiveServer) -> None:
+    open_console(browser, server.url)
+    result = stored(server, ask(browser, CORRECT))
+    assert result["answered_by"] == "extract" and result["crag"]["answer_mode"] == "extract"
+    assert "Quoted from the documents, not generated" in browser.find_element(By.ID, "answer-mode").text
+    assert not by_testid(browser, "unsupported") and not browser.find_element(By.ID, "evidence").is_displayed()
+
+
+def test_a_generated_answer_the_sources_do_not_support_is_marked(browser: WebDriver, engine: Any) -> None:
+    wrong = "Harbor Pro promises 97.5% monthly uptime, set by Quentin Marsh."
+    generating = CorrectiveQueryEngine.from_defaults(
+        retriever=engine.retriever,
+        llm=Answering(answer=wrong),
+        scorer=engine.grader.scorer,
+        fallback=engine.fallback,
+        upper=engine.grader.upper,
+        lower=engine.grader.lower,
+        answer_mode="generate",
+        on_ungrounded="flag",
+    )
+    with LiveServer(create_app(generating)) as live:
+        open_console(browser, live.url)
+        result = stored(live, ask(browser, CORRECT))
+        check = result["crag"]["answer_check"]
+        assert result["answered_by"] == "generate" and result["grounded"] is False and check["streamed"]
+        mode = browser.find_element(By.ID, "answer-mode")
+        assert "NOT supported by its sources" in mode.text and mode.get_attribute("data-grounded") == "false"
+        marked = [text(browser, m) for m in by_testid(browser, "unsupported")]
+        assert {"97.5%", "Quentin Marsh"} <= set(marked) and set(marked) <= set(check["unsupported"])
+        assert text(browser, browser.find_element(By.ID, "answer")) == result["answer"]
+        assert result["answer"].strip() == wrong
+        quotes = by_testid(browser, "quote")
+        assert quotes and len(quotes) == len(result["crag"]["quotes"]) and any("99.9%" in q.text for q in quotes)
+        screenshot(browser, "console-flagged.png")
 
 
 def test_a_guarded_server_asks_for_the_key_then_answers(browser: WebDriver, engine: Any) -> None:

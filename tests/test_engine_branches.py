@@ -140,29 +140,8 @@ def _assert_abstained(response: Any, reason: str, llm: ScriptedLLM) -> None:
     assert llm.calls["answer"] == 0, "an abstention must not generate"
 
 
-def _raise(prompt: str) -> str:
-    raise ConnectionError("server went away")
-
-
-@pytest.mark.parametrize(
-    ("rewrite", "reason"),
-    [
-        (_raise, "failed: ConnectionError: server went away"),
-        ('{"query": "   "}', "the rewrite was empty"),
-        ('{"query": "how much money does project A get?"}', "returned the query unchanged"),
-        ("sure! the query is alpha budget", "not valid JSON"),
-        ('{"query": ', "not valid JSON"),
-    ],
-    ids=["raises", "empty", "unchanged", "prose-not-json", "truncated-json"],
-)
-def test_every_rewrite_failure_abstains(rewrite: Any, reason: str) -> None:
-    llm = ScriptedLLM(rewrite=rewrite)
-    engine = make_engine(MarkerScorer({"alpha project budget for 2024": 0.9}), llm)
-    _assert_abstained(engine.query("How much money does project A get?"), reason, llm)
-
-
 def test_retry_still_below_threshold_abstains() -> None:
-    llm = ScriptedLLM(rewrite='{"query": "cafeteria lunch"}')
+    llm = ScriptedLLM(rewrite='{"query": "project cafeteria lunch"}')
     engine = make_engine(MarkerScorer({"alpha project budget for 2024": 0.9}), llm)
     response = engine.query("How much money does project A get?")
     _assert_abstained(response, "still below lower=0.300", llm)
@@ -229,7 +208,7 @@ def test_max_rewrites_caps_the_loop() -> None:
 
     def rewrite(prompt: str) -> str:
         seen.append(prompt)
-        return f'{{"query": "cafeteria lunch {len(seen)}"}}'
+        return f'{{"query": "project cafeteria lunch {len(seen)}"}}'
 
     llm = ScriptedLLM(rewrite=rewrite)
     engine = make_engine(MarkerScorer({"alpha project budget for 2024": 0.9}), llm, max_rewrites=3)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from llama_index_crag.cli import NOT_GENERATED, main
+from llama_index_crag.cli import main
 from llama_index_crag.models import default_llm
 from llama_index_crag.portable import (
     FAIL,
@@ -81,18 +81,19 @@ def test_a_file_that_is_not_a_model_fails_the_check_and_default_llm(tmp_path: Pa
         default_llm(ollama_url="http://127.0.0.1:9", gguf=str(bogus))
 
 
-def test_the_demo_without_a_generator_still_shows_every_grade_and_decision(
+def test_the_demo_asked_to_generate_without_a_working_generator_quotes_instead(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"\0" * 64)
-    assert main(["demo", "--limit", "3", "--gguf", str(bogus), "--ollama-url", "http://127.0.0.1:9"]) == 0
+    demo = ["demo", "--limit", "3", "--generate", "--gguf", str(bogus), "--ollama-url", "http://127.0.0.1:9"]
+    assert main(demo) == 0
     out = capsys.readouterr().out
     assert "Generator: none." in out and "bogus.gguf failed to load" in out
-    assert out.count("action: ") == 3
-    answered = [line for line in out.splitlines() if line.strip().startswith("answer: ")]
+    assert out.count("action: ") == 3 and "Answers: quoted from the graded passages" in out
+    answered = [line for line in out.splitlines() if line.strip().startswith("answer")]
     assert len(answered) == 3
-    assert all(NOT_GENERATED in line or "I don't know" in line for line in answered)
+    assert all("answer (quoted):" in line or "I don't know" in line for line in answered)
 
 
 @pytest.mark.slow

@@ -49,10 +49,27 @@ def test_a_rewrite_cut_at_the_bundled_models_token_cap_still_parses() -> None:
     assert isinstance(result, RewrittenQuery) and result.query.strip()
 
 
+def test_the_bundled_generator_quotes_by_default_and_its_generated_answers_are_checked(
+    sample_index: VectorStoreIndex, llama_cpp_llm: Any
+) -> None:
+    quoting = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llama_cpp_llm, fallback_sources=("bm25",))
+    assert quoting.answer_mode == "extract"
+    generating = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, llm=llama_cpp_llm, fallback_sources=("bm25",), answer_mode="generate", on_ungrounded="flag"
+    )
+    response = generating.query("Who is the chief executive officer of Harbor Analytics?")
+    trace = response.metadata["crag"]
+    assert trace["answered_by"] == "generate" and trace["timings_ms"]["generate"] > 0
+    assert trace["answer_check"]["status"] == "checked" and trace["grounded"] in (True, False)
+    assert len(trace["answer_check"]["sentences"]) >= 1 or trace["answer_check"]["reason"]
+
+
 def test_engine_generates_with_llama_cpp_and_abstains_off_topic(
     sample_index: VectorStoreIndex, llama_cpp_llm: Any
 ) -> None:
-    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llama_cpp_llm, fallback_sources=("bm25",))
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, llm=llama_cpp_llm, fallback_sources=("bm25",), answer_mode="generate"
+    )
     answered = engine.query("Who is the chief executive officer of Harbor Analytics?")
     assert not answered.metadata["crag"]["abstained"] and len(str(answered).strip()) > 3
     assert answered.metadata["crag"]["timings_ms"]["generate"] > 0
@@ -98,12 +115,15 @@ def test_a_hung_ollama_server_fails_the_generation_within_its_timeout(sample_ind
             engine.query("Who is the chief executive officer of Harbor Analytics?")
 
 
-def test_garbage_from_an_ollama_server_on_the_rewrite_path_abstains(sample_index: VectorStoreIndex) -> None:
+def test_garbage_from_an_ollama_server_on_the_rewrite_path_falls_back_to_keywords(
+    sample_index: VectorStoreIndex,
+) -> None:
     with OllamaServer(model_name="smollm2", mode="garbage") as server:
         llm = Ollama(model="smollm2", base_url=server.url, request_timeout=10, context_window=2048)
         engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=llm, fallback_sources=("bm25",))
         trace = engine.query("What is the boiling point of mercury?").metadata["crag"]
-        assert trace["abstained"] and "rewrite" in trace["abstain_reason"]
+        assert trace["rewrite_error"] and trace["rewrite_source"] == "keyword"
+        assert trace["abstained"] and "still below lower" in trace["abstain_reason"]
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +249,7 @@ def test_the_demo_command_answers_and_abstains(tmp_path: Path) -> None:
             "--ollama-url",
             "http://127.0.0.1:9",
             "--explain",
+            "--generate",
         ],
         capture_output=True,
         text=True,
@@ -239,4 +260,5 @@ def test_the_demo_command_answers_and_abstains(tmp_path: Path) -> None:
     assert "using in-process llama.cpp" in result.stdout
     # --explain names the best candidate and what it lacks: the CEO's profile lacks none of the question's words.
     assert "best candidate harbor-001 (" in result.stdout and "lacks: nothing" in result.stdout
-    assert result.stdout.count("action: ") == 2 and "abstained on 1." in result.stdout
+    assert result.stdout.count("action: ") == 2 and "abstained on 1;" in result.stdout
+    assert "answer (generated, " in result.stdout or "the generated answer's check:" in result.stdout

@@ -257,6 +257,8 @@ class QueryService:
             "answer": answer,
             "abstained": trace["abstained"],
             "action": trace["action"],
+            "answered_by": trace.get("answered_by"),
+            "grounded": trace.get("grounded"),
             "sources": [_source(n, trace) for n in response.source_nodes or []],
             "elapsed_ms": elapsed,
             "crag": trace,

@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 OPTIONS_ENV = "CRAG_SERVE_OPTIONS"
 
@@ -48,7 +48,7 @@ def build_llm(options: ServeOptions) -> Tuple[Any, Any]:
 
     url = options.ollama_url or DEFAULT_OLLAMA_URL
     if options.llm == "none":
-        return None, Generator("none (retrieval and grading only: answers are empty)")
+        return None, Generator("none (answers quote the graded passages; rewrites use the question's keywords)")
     if options.llm == "ollama":
         from llama_index.llms.ollama import Ollama
 
@@ -77,27 +77,20 @@ def build_llm(options: ServeOptions) -> Tuple[Any, Any]:
 
 def build_app(options: ServeOptions) -> Any:
     """The FastAPI app over the index folder the options name."""
-    from llama_index.core.llms import MockLLM
-    from llama_index.core.response_synthesizers.no_text import NoText
-
     from llama_index_crag.server.app import ServerConfig, create_app
     from llama_index_crag.server.store import load_engine, load_index
 
-    llm, generator = build_llm(options)
-    extra: Dict[str, Any] = {}
-    if llm is None:  # grading only: nothing generates, nothing rewrites
-        llm = MockLLM()
-        extra = {"response_synthesizer": NoText(llm=llm), "max_rewrites": 0}
+    llm, generator = build_llm(options)  # None: the engine quotes the passages instead of generating
     enabled = False if options.disable_crag else None
     if options.store:
         from llama_index_crag.postgres import PostgresStore, engine_from_store
 
         store = PostgresStore(options.store, table=options.table)
-        engine = engine_from_store(store, llm, enabled=enabled, **extra)
+        engine = engine_from_store(store, llm, enabled=enabled)
         described = store.describe()
     else:
         loaded = load_index(options.index)
-        engine = load_engine(loaded, llm, enabled=enabled, **extra)
+        engine = load_engine(loaded, llm, enabled=enabled)
         described = loaded.describe()
     config = ServerConfig(
         api_key=os.environ.get("CRAG_API_KEY") or None,

@@ -273,7 +273,7 @@ def load_index(index_dir: Path | str, embed_model: Optional[BaseEmbedding] = Non
     return LoadedIndex(index_dir, index, list(index.docstore.docs.values()), embedder, manifest)
 
 
-def load_engine(loaded: LoadedIndex, llm: LLM, **settings: Any) -> Any:
+def load_engine(loaded: LoadedIndex, llm: Optional[LLM], **settings: Any) -> Any:
     """The engine over a loaded index: its scorer (the recorded grader, else the evidence scorer) with the
     persisted corpus statistics, its calibration, and the fallback over its chunks."""
     from llama_index_crag.engine import CorrectiveQueryEngine, default_scorer

@@ -290,6 +290,8 @@
     ];
     if (crag.retry_score !== null && crag.retry_score !== undefined) items.push(["Fallback score", fixed(crag.retry_score, 3)]);
     if (crag.strips_kept || crag.strips_dropped) items.push(["Strips", crag.strips_kept + " kept, " + crag.strips_dropped + " dropped"]);
+    if (crag.answer_mode) items.push(["Answer mode", crag.answer_mode + (crag.answered_by && crag.answered_by !== crag.answer_mode ? " (answered by " + crag.answered_by + ")" : "")]);
+    if (crag.rewrite_source) items.push(["Rewrite", crag.rewrite_source === "keyword" ? "keywords of the question" : "by the LLM"]);
     if (crag.rewrite_error) items.push(["Rewrite failed", crag.rewrite_error]);
     if (crag.fallback_error) items.push(["Fallback failed", crag.fallback_error]);
     return items.flatMap(([term, value]) => [el("dt", { text: term }), el("dd", { text: value })]);
@@ -322,11 +324,59 @@
     return el("li", { "data-testid": "web-search" }, parts);
   }
 
+  // Which way the answer was made, and for a generated one, what its check against the sources found.
+  function answerMode(crag) {
+    const check = crag.answer_check || null;
+    if (crag.answered_by === "extract") {
+      const replaced = check && check.outcome === "extract" ? " (the generated answer was not supported by its sources)" : "";
+      return ["Quoted from the documents, not generated" + replaced, "quoted"];
+    }
+    if (crag.answered_by !== "generate") return ["", ""];
+    if (!check) return ["Generated (not checked)", "unchecked"];
+    if (check.grounded === true) return ["Generated · supported by its sources", "true"];
+    if (check.grounded === false) return ["Generated · NOT supported by its sources: " + (check.reason || ""), "false"];
+    return ["Generated · not checked: " + (check.reason || check.status), "unchecked"];
+  }
+
+  // The answer's text with each unsupported span marked (text nodes only: nothing from the server is HTML).
+  function markedAnswer(text, spans) {
+    const parts = [];
+    let rest = text;
+    const wanted = (spans || []).filter((s) => s && rest.includes(s));
+    while (rest && wanted.length) {
+      let first = -1, span = "";
+      for (const s of wanted) {
+        const at = rest.indexOf(s);
+        if (at >= 0 && (first < 0 || at < first)) { first = at; span = s; }
+      }
+      if (first < 0) break;
+      parts.push(document.createTextNode(rest.slice(0, first)));
+      parts.push(el("mark", { className: "unsupported", "data-testid": "unsupported", title: "not in the sources", text: span }));
+      rest = rest.slice(first + span.length);
+    }
+    parts.push(document.createTextNode(rest));
+    return parts;
+  }
+
+  function drawCheck(result, crag) {
+    const [label, grounded] = answerMode(crag);
+    $("answer-mode").textContent = result.abstained ? "" : label;
+    $("answer-mode").dataset.grounded = grounded;
+    const check = crag.answer_check || {};
+    if (!result.abstained && crag.answered_by === "generate" && check.grounded === false) {
+      $("answer").replaceChildren(...markedAnswer(result.answer || "", check.unsupported));
+    }
+    const quotes = crag.answered_by === "generate" && check.grounded !== true ? crag.quotes || [] : [];
+    $("evidence").hidden = quotes.length === 0;
+    $("quotes").replaceChildren(...quotes.map((q) => el("li", { "data-testid": "quote", text: "\u201c" + q.text + "\u201d (" + q.source + ")" })));
+  }
+
   function draw(result) {
     const crag = result.crag || {};
     const thresholds = crag.thresholds || { upper: crag.upper, lower: crag.lower };
     const action = String(result.action || crag.action || "");
     drawAnswer(result.query, result.abstained ? "" : result.answer || "");
+    drawCheck(result, crag);
     $("result").dataset.queryId = result.id;
     $("action").textContent = action;
     $("action").dataset.action = action;

@@ -1,0 +1,136 @@
+"""Quoted-evidence answers: the best graded strips of the context, verbatim, with their sources; no generation."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Sequence
+
+from llama_index.core.schema import NodeWithScore
+
+from llama_index_crag.refiner import decompose
+from llama_index_crag.scorers.answer_type import asked_kinds, holds_kind
+from llama_index_crag.scorers.base import RelevanceScorer
+
+#: Figures and codes a question names: years, quarters, versions, regions ("2023", "Q2", "7.2.1", "EU-2").
+_CODES = re.compile(r"[\w-]*\d(?:[\w-]|\.\d)*")
+#: The line that opens every quoted answer, so that nobody reads it as generated text.
+QUOTED_HEADER = "Quoted from the documents (not generated):"
+
+
+@dataclass(frozen=True)
+class Quote:
+    """One quoted strip: its text as it stands in the source, where it comes from, and its grade."""
+
+    text: str
+    source: str
+    node_id: str
+    score: float
+
+
+@dataclass(frozen=True)
+class QuotedAnswer:
+    """The quotes of an extractive answer, in document order."""
+
+    quotes: List[Quote]
+
+    @property
+    def text(self) -> str:
+        """The answer as a reader sees it: a header, then each quote with its source."""
+        if not self.quotes:
+            return ""
+        lines = [f'"{q.text}" ({q.source})' for q in self.quotes]
+        return "\n".join([QUOTED_HEADER, *lines])
+
+    def to_list(self) -> List[Dict[str, Any]]:
+        """The quotes as JSON-ready dicts (for the trace)."""
+        return [asdict(q) for q in self.quotes]
+
+
+def source_name(node: NodeWithScore) -> str:
+    """A short name for where a passage comes from: its file name or title, and its document id."""
+    meta = node.node.metadata
+    name = meta.get("file_name") or meta.get("title") or ""
+    doc_id = meta.get("doc_id") or node.node.ref_doc_id or node.node.node_id.split("#strips")[0]
+    if meta.get("url"):
+        name = f"{name}, {meta['url']}" if name else str(meta["url"])
+    return f"{name}, {doc_id}" if name and doc_id and doc_id not in name else str(name or doc_id)
+
+
+def states_what_is_asked(question: str, text: str) -> bool:
+    """Whether ``text`` can answer ``question`` as a quote: it holds the kind of answer asked (a duration for
+    "how long", a date for "when", a name for "who"), and every figure or code the question names ("Q2 2023",
+    "EU-2", "7.2.1"). A strip about Q3 does not answer a question about Q2, however well it grades."""
+    kinds = asked_kinds(question)
+    if kinds is not None and not holds_kind(kinds, text, question):
+        return False
+    lowered = text.casefold()
+    return all(code.casefold() in lowered for code in _CODES.findall(question))
+
+
+class EvidenceQuoter:
+    """Answers with the context's best strips instead of generating.
+
+    Every context passage is split into knowledge strips (the refiner's ``decompose``),
+    all strips are scored against the question in one batch with the grader's scorer,
+    and the best ``max_quotes`` of those that state what is asked (``states_what_is_asked``)
+    and clear ``threshold`` (the strip threshold: what the refiner would keep) are quoted.
+    When none does, nothing is quoted and the engine abstains. Quotes are
+    ordered as the context is (by grade), and within a passage as the text is, so a
+    passage's sentences read in their own order.
+
+    Args:
+        scorer: The grader's scorer.
+        max_quotes: The most strips quoted.
+        threshold: The score a strip must reach to be quoted.
+        strip_min_tokens: Strip size, as the refiner's.
+    """
+
+    def __init__(
+        self, scorer: RelevanceScorer, max_quotes: int = 2, threshold: float = 0.5, strip_min_tokens: int = 8
+    ) -> None:
+        self.scorer = scorer
+        self.max_quotes = max_quotes
+        self.threshold = threshold
+        self.strip_min_tokens = strip_min_tokens
+
+    def quote(self, question: str, nodes: Sequence[NodeWithScore]) -> QuotedAnswer:
+        """The quoted answer to ``question`` from ``nodes`` (empty when they hold no text)."""
+        found: List[tuple[int, int, Any, NodeWithScore]] = []
+        for rank, node in enumerate(nodes):
+            title = str(node.node.metadata.get("title") or "")
+            for position, strip in enumerate(decompose(node.node.get_content(), self.strip_min_tokens, title)):
+                if strip.text.strip():
+                    found.append((rank, position, strip, node))
+        if not found:
+            return QuotedAnswer([])
+        scores = self.scorer.score_texts(question, [strip.graded_text for _, _, strip, _ in found])
+        ranked = sorted(range(len(found)), key=lambda i: -scores[i])
+        seen: set[str] = set()
+        eligible = []
+        for i in ranked:
+            strip, node = found[i][2], found[i][3]
+            text = " ".join(strip.text.split())
+            if text not in seen and states_what_is_asked(
+                question, f"{node.node.metadata.get('title') or ''} {strip.graded_text}"
+            ):
+                seen.add(text)
+                eligible.append(i)
+        chosen = [i for i in eligible[: self.max_quotes] if scores[i] >= self.threshold]
+        chosen.sort(key=lambda i: found[i][:2])
+        return QuotedAnswer(
+            [
+                Quote(
+                    text=" ".join(found[i][2].text.split()),
+                    source=source_name(found[i][3]),
+                    node_id=found[i][3].node.node_id,
+                    score=round(float(scores[i]), 4),
+                )
+                for i in chosen
+            ]
+        )
+
+    async def aquote(self, question: str, nodes: Sequence[NodeWithScore]) -> QuotedAnswer:
+        """``quote`` off the event loop (scoring is CPU-bound)."""
+        return await asyncio.to_thread(self.quote, question, nodes)

@@ -1,0 +1,325 @@
+"""The answer step: quoted evidence, the check of a generated answer, and the keyword rewrite."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, List, Sequence
+
+import pytest
+from llama_index.core import VectorStoreIndex
+from llama_index.core.llms import MockLLM
+
+from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.answers.extract import QUOTED_HEADER
+from llama_index_crag.answers.grounding import GroundednessChecker
+from llama_index_crag.answers.keywords import keyword_query
+from llama_index_crag.answers.policy import default_answer_mode
+from llama_index_crag.cli import main
+
+from .conftest import ALPHA, BETA, Answering, MarkerScorer, ScriptedLLM, make_engine
+
+QUESTION = "What is the alpha project budget?"
+ALPHA_SCORER = {"alpha project budget for 2024": 0.9}
+OUTAGE = (
+    "The June 2023 EU-2 outage lasted 4 hours and 14 minutes. It began at 09:10 UTC when a storage node failed. "
+    "Harbor Pro customers in the EU-2 region could not load dashboards."
+)
+
+
+def crag(response: Any) -> dict:
+    return response.metadata["crag"]
+
+
+# --- the keyword rewrite ----------------------------------------------------------------------------------------
+
+
+def test_keyword_query_keeps_names_figures_and_codes_and_drops_question_words() -> None:
+    words = keyword_query("How long did the June 2023 EU-2 outage last?").split()
+    assert {"June", "2023", "EU-2", "outage"} <= set(words)
+    assert not {"How", "did", "the"} & set(words)
+
+
+def test_keyword_query_keeps_the_order_of_the_question_and_each_word_once() -> None:
+    query = keyword_query("Which version of the Python SDK does the customer onboarding guide install?")
+    assert query.index("Python") < query.index("SDK") < query.index("onboarding")
+    assert len(query.split()) == len({w.casefold() for w in query.split()})
+
+
+def _raise(prompt: str) -> str:
+    raise ConnectionError("server went away")
+
+
+@pytest.mark.parametrize(
+    ("rewrite", "reason"),
+    [
+        (_raise, "failed: ConnectionError: server went away"),
+        ('{"query": "   "}', "the rewrite was empty"),
+        ('{"query": "how much money does project A get?"}', "returned the query unchanged"),
+        ("sure! the query is alpha budget", "not valid JSON"),
+        ('{"query": ', "not valid JSON"),
+        ('{"query": "2018-01-01T00:00:00.00.00.00-10.10.10.10"}', "kept none of the query's words"),
+    ],
+    ids=["raises", "empty", "unchanged", "prose-not-json", "truncated-json", "noise"],
+)
+def test_a_failed_llm_rewrite_searches_with_the_question_keywords_instead_of_abstaining(
+    rewrite: Any, reason: str
+) -> None:
+    llm = ScriptedLLM(rewrite=rewrite)
+    engine = make_engine(MarkerScorer(ALPHA_SCORER), llm)
+    response = engine.query("How much money does project A get?")
+    trace = crag(response)
+    assert reason in trace["rewrite_error"]
+    assert trace["rewrite_source"] == "keyword" and trace["rewritten_query"] == keyword_query(
+        "How much money does project A get?"
+    )
+    assert not trace["abstained"], trace["abstain_reason"]
+    assert response.source_nodes[0].node.node_id == "alpha"
+
+
+def test_a_good_llm_rewrite_is_used_and_said_so() -> None:
+    engine = make_engine(MarkerScorer(ALPHA_SCORER), ScriptedLLM())
+    trace = crag(engine.query("How much money does project A get?"))
+    assert trace["rewrite_source"] == "llm" and trace["rewritten_query"] == "alpha project budget"
+    assert trace["rewrite_error"] is None
+
+
+def test_without_an_llm_the_rewrite_is_the_keywords() -> None:
+    engine = make_engine(MarkerScorer(ALPHA_SCORER), ScriptedLLM(), answer_mode="extract")
+    engine._rewriter = None  # as from_defaults builds it without an LLM
+    trace = crag(engine.query("How much money does project A get?"))
+    assert trace["rewrite_source"] == "keyword" and trace["rewrite_error"] is None and not trace["abstained"]
+
+
+# --- quoted-evidence answers ------------------------------------------------------------------------------------
+
+
+def test_extract_mode_quotes_the_best_strips_with_their_source_and_generates_nothing(
+    sample_index: VectorStoreIndex,
+) -> None:
+    llm = ScriptedLLM()
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, llm=llm, answer_mode="extract", fallback_sources=("bm25",)
+    )
+    response = engine.query("Who is the chief executive officer of Harbor Analytics?")
+    trace = crag(response)
+    assert trace["answer_mode"] == "extract" and trace["answered_by"] == "extract"
+    assert str(response).startswith(QUOTED_HEADER) and "Miriam Okafor" in str(response)
+    assert any(q["source"].endswith("harbor-001") and "Miriam Okafor" in q["text"] for q in trace["quotes"])
+    texts = [n.node.get_content() for n in response.source_nodes]
+    assert all(any(q["text"] in " ".join(t.split()) for t in texts) for q in trace["quotes"]), "quotes are verbatim"
+    assert llm.calls["answer"] == 0 and trace["grounded"] is None
+
+
+def test_quotes_keep_document_order_within_a_passage(embed_model: Any) -> None:
+    nodes = [ALPHA, BETA]
+    scorer = MarkerScorer({"approved in march": 0.8, "alpha project budget for 2024": 0.9})
+    engine = make_engine(scorer, ScriptedLLM(), primary=nodes, answer_mode="extract", strip_min_tokens=3)
+    trace = crag(engine.query(QUESTION))
+    assert [q["text"] for q in trace["quotes"]] == [
+        "The alpha project budget for 2024 is 3.2 million euros.",
+        "It was approved in March by the board.",
+    ]
+
+
+def test_extract_mode_streams_the_quotes_in_one_piece(sample_index: VectorStoreIndex) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, answer_mode="extract", streaming=True)
+    response = engine.query("Who is the chief executive officer of Harbor Analytics?")
+    assert "Miriam Okafor" in "".join(response.response_gen)
+
+
+@pytest.mark.parametrize(("llm", "mode"), [(None, "extract"), (MockLLM(), "extract"), (ScriptedLLM(), "generate")])
+def test_the_answer_mode_follows_the_generator(llm: Any, mode: str) -> None:
+    assert default_answer_mode(llm) == mode
+
+
+def test_an_engine_without_any_llm_quotes(sample_index: VectorStoreIndex) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, fallback_sources=("bm25",))
+    assert engine.answer_mode == "extract"
+    trace = crag(engine.query("What is the boiling point of mercury?"))
+    assert trace["rewrite_source"] == "keyword" and trace["abstained"]
+
+
+# --- the check of a generated answer ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def checker() -> GroundednessChecker:
+    return GroundednessChecker()
+
+
+def test_an_answer_from_its_sources_is_grounded(checker: GroundednessChecker) -> None:
+    check = checker.check("The EU-2 outage in June 2023 lasted 4 hours and 14 minutes.", [OUTAGE])
+    assert check.status == "checked" and check.grounded is True and check.unsupported == []
+
+
+@pytest.mark.parametrize(
+    ("answer", "unsupported"),
+    [
+        ("The June 2023 EU-2 outage lasted 14 days.", "14 days"),
+        ("The outage lasted 4 hours and affected 118% of EU-2 customers.", "118%"),
+        ("The outage was caused by Amazon Web Services.", "Amazon Web Services"),
+        ("Customers had to reinstall harbor.js to recover.", "harbor.js"),
+    ],
+    ids=["wrong-unit", "invented-percent", "invented-name", "invented-code"],
+)
+def test_a_figure_name_or_code_not_in_the_sources_is_an_unsupported_span(
+    checker: GroundednessChecker, answer: str, unsupported: str
+) -> None:
+    check = checker.check(answer, [OUTAGE], "How long did the June 2023 EU-2 outage last?")
+    assert check.grounded is False and unsupported in check.unsupported
+    assert check.sentences[0].score < 1.0
+
+
+def test_a_preamble_with_no_answer_is_not_grounded(checker: GroundednessChecker) -> None:
+    check = checker.check("Based on the context information and not prior knowledge, the answer is:", [OUTAGE])
+    assert check.grounded is False and "nothing that can be checked" in (check.reason or "")
+
+
+def test_every_sentence_gets_a_score(checker: GroundednessChecker) -> None:
+    check = checker.check("The outage lasted 4 hours and 14 minutes. The CEO resigned in 1999.", [OUTAGE])
+    assert [s.grounded for s in check.sentences] == [True, False] and len(check.sentences) == 2
+    assert check.sentences[0].score > check.sentences[1].score and "1999" in check.unsupported
+
+
+@pytest.mark.parametrize("answer", ["", "   \n "])
+def test_an_empty_answer_is_checked_and_not_grounded(checker: GroundednessChecker, answer: str) -> None:
+    check = checker.check(answer, [OUTAGE])
+    assert check.status == "checked" and check.grounded is False and "empty" in (check.reason or "")
+
+
+def test_an_answer_in_another_language_is_unchecked_never_grounded(checker: GroundednessChecker) -> None:
+    check = checker.check("Der Ausfall dauerte vier Stunden und die Kunden in der Region waren betroffen.", [OUTAGE])
+    assert check.status == "other_language" and check.grounded is None
+
+
+def test_an_answer_longer_than_its_context_is_checked_sentence_by_sentence(checker: GroundednessChecker) -> None:
+    answer = " ".join(["The outage lasted 4 hours and 14 minutes."] * 10)
+    check = checker.check(answer, [OUTAGE])
+    assert check.longer_than_context and check.status == "checked" and check.grounded is True
+
+
+def test_an_answer_with_more_sentences_than_checked_is_not_grounded() -> None:
+    check = GroundednessChecker(max_sentences=2).check(" ".join(["The outage lasted 4 hours."] * 3), [OUTAGE])
+    assert check.grounded is False and "only the first 2" in (check.reason or "")
+
+
+class Broken(MarkerScorer):
+    """Scores queries as usual but fails when asked to score an answer sentence."""
+
+    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
+        if query.startswith("ANSWER") or "budget is" in query:
+            raise RuntimeError("scorer crashed")
+        return super().score_texts(query, texts)
+
+
+def test_a_grader_error_during_the_check_leaves_the_answer_unchecked() -> None:
+    checker = GroundednessChecker(Broken({}), use_scorer=True)
+    check = checker.check("The alpha project budget is 3.2 million euros.", [ALPHA.text])
+    assert check.status == "error" and check.grounded is None and "scorer crashed" in (check.reason or "")
+
+
+def test_the_grader_scores_each_sentence_when_asked() -> None:
+    checker = GroundednessChecker(MarkerScorer({"alpha project budget": 0.9}, default=0.1), use_scorer=True)
+    check = checker.check("The alpha project budget is 3.2 million euros.", [ALPHA.text])
+    assert check.sentences[0].grader_score == 0.9 and check.grounded is True
+
+
+# --- the check in the engine ------------------------------------------------------------------------------------
+
+WRONG = "The alpha project budget is 118% of 14 days."
+RIGHT = "The alpha project budget for 2024 is 3.2 million euros."
+
+
+def _checked_engine(answer: str, **settings: Any) -> CorrectiveQueryEngine:
+    return make_engine(MarkerScorer(ALPHA_SCORER), Answering(answer=answer), primary=[ALPHA, BETA], **settings)
+
+
+def test_a_grounded_answer_is_kept_and_its_check_is_in_the_trace() -> None:
+    response = _checked_engine(RIGHT).query(QUESTION)
+    trace = crag(response)
+    assert str(response) == RIGHT and trace["answered_by"] == "generate" and trace["grounded"] is True
+    check = trace["answer_check"]
+    assert check["outcome"] == "kept" and check["sentences"][0]["score"] == 1.0 and trace["timings_ms"]["check"] > 0
+
+
+def test_flag_keeps_an_ungrounded_answer_marked_with_the_evidence_beside_it() -> None:
+    response = _checked_engine(WRONG, on_ungrounded="flag").query(QUESTION)
+    trace = crag(response)
+    assert str(response) == WRONG and trace["grounded"] is False and trace["answer_check"]["outcome"] == "flagged"
+    assert {"118%", "14 days"} <= set(trace["answer_check"]["unsupported"])
+    assert trace["quotes"] and "3.2 million" in trace["quotes"][0]["text"]
+
+
+def test_extract_replaces_an_ungrounded_answer_with_the_quoted_evidence() -> None:
+    response = _checked_engine(WRONG, on_ungrounded="extract").query(QUESTION)
+    trace = crag(response)
+    assert str(response).startswith(QUOTED_HEADER) and "3.2 million euros" in str(response)
+    assert trace["answered_by"] == "extract" and trace["answer_mode"] == "generate" and trace["grounded"] is False
+
+
+def test_abstain_turns_an_ungrounded_answer_into_an_abstention() -> None:
+    response = _checked_engine(WRONG, on_ungrounded="abstain").query(QUESTION)
+    trace = crag(response)
+    assert trace["abstained"] and "failed its check" in trace["abstain_reason"] and "118%" in trace["abstain_reason"]
+    assert str(response).startswith("I don't know") and trace["answered_by"] == "abstain"
+
+
+def test_an_empty_generated_answer_becomes_the_quoted_evidence() -> None:
+    trace = crag(_checked_engine("").query(QUESTION))
+    assert trace["answered_by"] == "extract" and trace["answer_check"]["reason"] == "the answer is empty"
+
+
+def test_the_check_can_be_turned_off() -> None:
+    trace = crag(_checked_engine(WRONG, check_answers=False).query(QUESTION))
+    assert trace["answered_by"] == "generate" and trace["answer_check"] is None and trace["grounded"] is None
+
+
+def test_a_grader_error_in_the_engines_check_is_never_presented_as_checked() -> None:
+    engine = make_engine(
+        Broken(ALPHA_SCORER), Answering(answer=RIGHT.replace("for 2024 ", "")), primary=[ALPHA], check_with_grader=True
+    )
+    trace = crag(engine.query(QUESTION))
+    assert trace["grounded"] is None and trace["answer_check"]["status"] == "error"
+    assert trace["answered_by"] == "extract"
+
+
+async def test_the_async_path_checks_too() -> None:
+    trace = crag(await _checked_engine(WRONG).aquery(QUESTION))
+    assert trace["grounded"] is False and trace["answered_by"] == "extract"
+
+
+def test_a_streamed_answer_is_checked_when_the_stream_ends() -> None:
+    engine = _checked_engine(WRONG, streaming=True)
+    response = engine.query(QUESTION)
+    assert crag(response)["answer_check"]["status"] == "pending"
+    assert "".join(response.response_gen).strip() == WRONG
+    check = crag(response)["answer_check"]
+    assert check["status"] == "checked" and check["streamed"] and check["outcome"] == "flagged"
+    assert crag(response)["grounded"] is False and crag(response)["quotes"]
+
+
+def test_a_stream_cut_midway_is_recorded_as_unchecked() -> None:
+    response = _checked_engine(RIGHT, streaming=True).query(QUESTION)
+    tokens = response.response_gen
+    next(tokens)
+    tokens.close()
+    check = crag(response)["answer_check"]
+    assert check["status"] == "incomplete" and check["grounded"] is None and crag(response)["grounded"] is None
+
+
+async def test_an_async_stream_is_checked_when_it_ends() -> None:
+    response = await _checked_engine(RIGHT, streaming=True).aquery(QUESTION)
+    parts = [token async for token in response.response_gen]
+    assert "".join(parts).strip() == RIGHT
+    await asyncio.sleep(0)
+    assert crag(response)["answer_check"]["status"] == "checked" and crag(response)["grounded"] is True
+
+
+# --- the demo ---------------------------------------------------------------------------------------------------
+
+
+def test_the_demo_quotes_by_default_without_a_generator(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--limit", "2", "--ollama-url", "http://127.0.0.1:9"]) == 0
+    out = capsys.readouterr().out
+    assert "Generator: none needed" in out and out.count("answer (quoted):") == 2
+    assert "Miriam Okafor" in out and "answered by quoting 2, by generating 0" in out
