@@ -108,7 +108,7 @@ def _print_row(q: Question, answer: str, crag: dict, sources: Sequence[str]) -> 
     if crag["answered_by"] == "extract":
         print("  answer (quoted):")
         for quote in crag["quotes"]:
-            print(f"    \"{' '.join(quote['text'].split())[:300]}\" ({quote['source']})")
+            print(f'    "{" ".join(quote["text"].split())[:300]}" ({quote["source"]})')
     elif crag["answered_by"] == "generate":
         label = "generated" if not check else f"generated, {_described_check(check)}"
         print(f"  answer ({label}): {' '.join(answer.split())[:300]}")

@@ -473,8 +473,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             except Exception as exc:
                 llm = getattr(self._synthesizer, "_llm", None)
                 raise GenerationError(
-                    f"the generator {describe_llm(llm) if llm is not None else ''} failed: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"the generator {describe_llm(llm) if llm is not None else ''} failed: {type(exc).__name__}: {exc}"
                 ) from exc
         response.source_nodes = list(context)
         return response
