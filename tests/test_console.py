@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 #: Questions of the sample set and the band each lands in with the default settings.
 CORRECT = "What is the monthly uptime SLA for Harbor Pro?"
-AMBIGUOUS = "In which city is Harbor's largest engineering site?"
+AMBIGUOUS = "What does Harbor's engineering site in the largest city do?"
 INCORRECT = "Who wrote the novel Moby-Dick?"
 #: A document of markup that must come back to the page as text, and a question that retrieves it.
 MARKUP_DOC_ID = "quillfeather-test-page"
@@ -46,7 +46,9 @@ MARKUP_TEXT = (
 )
 MARKUP_QUERY = (
     "What snippet does the Quillfeather parser test page hold? "
-    '<script>window.__pwned=3</script><img src=x onerror="window.__pwned=4">'
+    # No figure of its own: a quoted answer must hold every figure the question names, and this one asks
+    # about the page's snippet, not about these numbers.
+    '<script>window.__pwned="query"</script><img src=x onerror="window.__pwned=\'image\'">'
 )
 #: Seconds to wait for one answer: the bundled model on two slow cores, with a rewrite on the INCORRECT path.
 ANSWER_WAIT_S = 240
@@ -285,7 +287,7 @@ def test_markup_in_documents_and_queries_is_shown_as_text(browser: WebDriver, se
         assert not container.find_elements(By.CSS_SELECTOR, "img, script"), f"markup was parsed in #{region}"
     page = browser.find_element(By.TAG_NAME, "body").text
     assert "<script>window.__pwned=1</script>" in page, "the document's markup is not shown as text"
-    assert '<img src=x onerror="window.__pwned=4">' in page, "the query's markup is not shown as text"
+    assert '<img src=x onerror="window.__pwned=\'image\'">' in page, "the query's markup is not shown as text"
 
 
 def test_explain_draws_each_candidates_explanation(browser: WebDriver, server: LiveServer) -> None:
