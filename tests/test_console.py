@@ -287,7 +287,7 @@ def test_markup_in_documents_and_queries_is_shown_as_text(browser: WebDriver, se
         assert not container.find_elements(By.CSS_SELECTOR, "img, script"), f"markup was parsed in #{region}"
     page = browser.find_element(By.TAG_NAME, "body").text
     assert "<script>window.__pwned=1</script>" in page, "the document's markup is not shown as text"
-    assert '<img src=x onerror="window.__pwned=\'image\'">' in page, "the query's markup is not shown as text"
+    assert "<img src=x onerror=\"window.__pwned='image'\">" in page, "the query's markup is not shown as text"
 
 
 def test_explain_draws_each_candidates_explanation(browser: WebDriver, server: LiveServer) -> None:
