@@ -82,3 +82,11 @@ def test_the_evidence_scorer_prefers_the_passage_that_holds_the_kind_asked() -> 
     assert rows[0, kind] == 0.0 and rows[1, kind] == 1.0
     date_score, length_score = scorer.score_texts(question, [BRIDGE_DATE, BRIDGE_LENGTH])
     assert length_score > date_score
+
+
+@pytest.mark.parametrize("passage", ["The harbor opens at six in the morning.", "Doors open at 9:30.", "It closes by 5 pm."])
+def test_a_time_of_day_answers_a_when_question(passage: str) -> None:
+    from llama_index_crag.scorers.answer_type import PATTERNS
+
+    assert PATTERNS["date"].search(passage)
+    assert not PATTERNS["date"].search("The harbor has six berths and a crane.")
