@@ -84,7 +84,9 @@ def test_the_evidence_scorer_prefers_the_passage_that_holds_the_kind_asked() -> 
     assert length_score > date_score
 
 
-@pytest.mark.parametrize("passage", ["The harbor opens at six in the morning.", "Doors open at 9:30.", "It closes by 5 pm."])
+@pytest.mark.parametrize(
+    "passage", ["The harbor opens at six in the morning.", "Doors open at 9:30.", "It closes by 5 pm."]
+)
 def test_a_time_of_day_answers_a_when_question(passage: str) -> None:
     from llama_index_crag.scorers.answer_type import PATTERNS
 

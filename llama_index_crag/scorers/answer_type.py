@@ -37,8 +37,8 @@ PATTERNS: Dict[str, re.Pattern[str]] = {
         rf"\b(1[0-9]{{3}}|20[0-9]{{2}})s?\b|\b({_MONTHS})\b|\b\d{{1,2}}(st|nd|rd|th)? century\b"
         r"|\b\d{1,2}[/.-]\d{1,2}[/.-]\d{2,4}\b|\b(monday|tuesday|wednesday|thursday|friday|saturday|sunday)\b"
         # a time of day answers "when" too: "opens at six in the morning", "at 9:30", "by 5 pm", "at noon"
-        rf"|\b{_NUM} (?:o'clock|in the (?:morning|afternoon|evening))|\b\d{{1,2}}(?::\d{{2}})?\s*(?:am|pm|a\.m\.|p\.m\.)"
-        r"|\b\d{1,2}:\d{2}\b|\b(?:noon|midnight)\b",
+        rf"|\b{_NUM} (?:o'clock|in the (?:morning|afternoon|evening))"
+        r"|\b\d{1,2}(?::\d{2})?\s*(?:am|pm|a\.m\.|p\.m\.)|\b\d{1,2}:\d{2}\b|\b(?:noon|midnight)\b",
         re.IGNORECASE,
     ),
     "length": re.compile(rf"\b{_NUM}[\s-]*(?:{_LENGTH_UNITS})(?![a-z])", re.IGNORECASE),
