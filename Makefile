@@ -13,7 +13,7 @@ PIP := $(PY) -m pip
 # from there (built once per machine, about 5 minutes on 2 cores).
 LLAMA_CPP_VERSION ?= 0.3.36
 # The flags live in one file that the package also reads, to tell a pip user what to set.
-LLAMA_CPP_CMAKE_ARGS ?= $(shell cat llama_index_crag/llama_cpp_cmake_args.txt)
+LLAMA_CPP_CMAKE_ARGS ?= $(shell cat llama_index_crag/local/llama_cpp_cmake_args.txt)
 LLAMA_CPP_KEY := $(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_CMAKE_ARGS)' | sha1sum | cut -c1-12)
 WHEELHOUSE ?= $(HOME)/.cache/llama-index-crag/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_CPP_KEY)
 

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 from llama_index_crag.datasets import SAMPLE_DIR, load_questions
 from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
-from llama_index_crag.server.store import ingest
+from llama_index_crag.stores.folder import ingest
 
 
 def main() -> None:
@@ -82,7 +82,7 @@ def measure(args: argparse.Namespace, store: Optional[str]) -> List[Dict[str, An
     """Each configuration (worker count, CRAG on and off) in each round: one summary of ``run_load`` each."""
     if store is not None:
         if args.store == "local":
-            from llama_index_crag import postgres
+            from llama_index_crag.stores import postgres
 
             target = postgres.PostgresStore(store, table=args.table)
             print(postgres.ingest(args.docs, target).summary())

@@ -12,13 +12,13 @@ from typing import List, Optional, Sequence
 from tqdm import tqdm
 
 from llama_index_crag.datasets import SAMPLE_DIR, Question, load_documents, load_questions
-from llama_index_crag.evaluation import add_eval_parser
-from llama_index_crag.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
-from llama_index_crag.portable import GeneratorUnavailable
+from llama_index_crag.evaluation.command import add_eval_parser
+from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
+from llama_index_crag.local.portable import GeneratorUnavailable
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from llama_index_crag.doctor import report, run_checks
+    from llama_index_crag.local.doctor import report, run_checks
 
     checks = run_checks(args.ollama_url, args.ollama_model, args.gguf)
     print(report(checks, as_json=args.json))
@@ -28,8 +28,8 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from llama_index.core import VectorStoreIndex
 
-    from llama_index_crag.engine import CorrectiveQueryEngine
-    from llama_index_crag.models import default_embed_model, default_llm, ollama_has_model
+    from llama_index_crag.core.engine import CorrectiveQueryEngine
+    from llama_index_crag.local.models import default_embed_model, default_llm, ollama_has_model
 
     folder = Path(args.dataset)
     documents = load_documents(folder)
@@ -220,17 +220,12 @@ def _grade_pairs(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from llama_index_crag.calibration.pair_report import held_out_rows, pair_figures, pair_table
-    from llama_index_crag.calibration.report import build_scorer
+    from llama_index_crag.scorers.registry import report_scorers
 
     rows = held_out_rows(args.pairs_file, limit=args.limit)
     corpus = list(dict.fromkeys(r["passage"] for r in rows))
-    names = ["default", *[s.strip() for s in args.scorers.split(",") if s.strip() and s.strip() != "default"]]
-    results, seen = [], set()
-    for name in names:
-        scorer = build_scorer(name, corpus)
-        if scorer.name in seen:
-            continue
-        seen.add(scorer.name)
+    results = []
+    for name, scorer in report_scorers([s.strip() for s in args.scorers.split(",") if s.strip()], corpus):
         desc = scorer.name[:40]
         bar = (lambda it, d=desc: tqdm(it, total=len(rows), desc=d)) if args.progress else iter
         result = pair_figures(scorer, rows, folds=args.folds, progress=bar)
@@ -503,13 +498,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from llama_index_crag.server.store import ingest
+    from llama_index_crag.stores.folder import ingest
 
     if bool(args.out) == bool(args.store):
         raise SystemExit("llama-crag ingest: give either --out INDEX_DIR or --store postgresql://...")
     if args.store:
-        from llama_index_crag.postgres import PostgresStore
-        from llama_index_crag.postgres import ingest as ingest_store
+        from llama_index_crag.stores.postgres import PostgresStore
+        from llama_index_crag.stores.postgres import ingest as ingest_store
 
         store = PostgresStore(args.store, table=args.table, index_precision=args.index_precision)
         stored = ingest_store(args.docs, store, progress=True)

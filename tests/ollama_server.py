@@ -20,8 +20,8 @@ import llama_cpp
 from llama_cpp import Llama
 from llama_cpp.llama_grammar import LlamaGrammar
 
-from llama_index_crag.bundled import bundled_gguf_path
-from llama_index_crag.llamacpp import json_grammar
+from llama_index_crag.local.bundled import bundled_gguf_path
+from llama_index_crag.local.llamacpp import json_grammar
 
 Mode = Literal["normal", "hang", "garbage", "error500"]
 

@@ -12,7 +12,7 @@ from llama_index.core.schema import TextNode
 from llama_index.llms.ollama import Ollama
 
 from llama_index_crag import CorrectiveQueryEngine, GenerationError, InvalidQueryError
-from llama_index_crag.datasets import clean_text
+from llama_index_crag.stores.chunking import clean_text
 
 from .conftest import ALPHA, FixedRetriever, ScriptedLLM
 

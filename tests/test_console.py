@@ -27,7 +27,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.server.app import ServerConfig, create_app
-from llama_index_crag.server.store import ingest, load_engine, load_index
+from llama_index_crag.stores.folder import ingest, load_engine, load_index
 from tests.conftest import Answering
 from tests.live_server import LiveServer
 
@@ -70,7 +70,7 @@ def _required(name: str) -> str:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The sample corpus plus one document of markup, ingested once, with the bundled generator."""
-    from llama_index_crag.llamacpp import BundledLlamaCPP
+    from llama_index_crag.local.llamacpp import BundledLlamaCPP
 
     docs = tmp_path_factory.mktemp("docs")
     rows = (SAMPLE_DIR / "corpus.jsonl").read_text().splitlines()

@@ -269,7 +269,7 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
         == 0
     )
     report = json.loads((tmp_path / "r" / "grade-report.json").read_text())
-    from llama_index_crag.engine import default_scorer
+    from llama_index_crag.scorers.registry import default_scorer
 
     # The first row is the engine's default scorer, whatever --scorers names; no scorer is measured twice.
     assert report["results"][0]["default"] and report["results"][0]["scorer"] == default_scorer().name

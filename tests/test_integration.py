@@ -199,7 +199,7 @@ def test_engine_is_a_query_engine_tool(engine: CorrectiveQueryEngine) -> None:
 
 def test_grading_reuses_the_embeddings_the_index_already_holds(monkeypatch: Any) -> None:
     from llama_index_crag.datasets import load_documents
-    from llama_index_crag.models import default_embed_model
+    from llama_index_crag.local.models import default_embed_model
 
     embed = default_embed_model()
     index = VectorStoreIndex(load_documents(), embed_model=embed)

@@ -15,9 +15,9 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag import FallbackRetriever, RelevanceGrader, StripRefiner, Verdict
-from llama_index_crag.refiner import decompose
+from llama_index_crag.core.refiner import decompose
+from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.scorers import BiEncoderScorer, UpstreamScoreScorer
-from llama_index_crag.settings import CragSettings
 
 from .conftest import ALPHA, BETA, CORPUS, GAMMA, MarkerScorer, ScriptedLLM
 
@@ -193,7 +193,7 @@ def test_settings_errors_name_the_fix() -> None:
 
 
 def test_web_settings_given_as_a_dict_or_object_turn_the_web_on_unless_they_say_otherwise() -> None:
-    from llama_index_crag.settings import WebSearchSettings
+    from llama_index_crag.core.settings import WebSearchSettings
 
     given = {"provider": "searxng", "searxng_url": "http://127.0.0.1:9", "allow_domains": ["example.org"]}
     assert WebSearchSettings.resolve(given, environ={}).enabled

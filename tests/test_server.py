@@ -17,7 +17,7 @@ from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
 from llama_index_crag.server.app import ServerConfig, create_app
 from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
-from llama_index_crag.server.store import IndexFolderError, ingest, load_engine, load_index
+from llama_index_crag.stores.folder import IndexFolderError, ingest, load_engine, load_index
 from tests.conftest import ScriptedLLM, write_hostile_documents
 from tests.live_server import LiveServer
 from tests.ollama_server import OllamaServer

@@ -15,11 +15,11 @@ from llama_index.core.schema import MetadataMode
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
+from llama_index_crag.core.settings import CALIBRATION_VERSION
 from llama_index_crag.datasets import Question, load_documents, load_questions, normalise_text, read_jsonl
-from llama_index_crag.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
+from llama_index_crag.local.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import bi_encoder_of
-from llama_index_crag.settings import CALIBRATION_VERSION
 
 IN_CORPUS = "in-corpus"
 OUT_OF_CORPUS = "out-of-corpus"
@@ -80,7 +80,7 @@ def labelled_batches(
     dropped, as if the index had been built without them); each unanswerable question
     gives one batch.
     """
-    from llama_index_crag.models import default_embed_model
+    from llama_index_crag.local.models import default_embed_model
 
     folder = Path(folder)
     embed_model = embed_model or default_embed_model()
@@ -261,7 +261,7 @@ class StripSet:
 
 def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: int) -> StripSet:
     """The strips ``StripRefiner`` would cut from each in-corpus batch's gold passages, labelled."""
-    from llama_index_crag.refiner import decompose
+    from llama_index_crag.core.refiner import decompose
 
     rows = {str(r["doc_id"]): r for r in read_jsonl(Path(folder) / "corpus.jsonl")}
     found = StripSet()

@@ -24,48 +24,12 @@ from llama_index_crag.calibration.fit import (
     strip_counts,
     write_calibration,
 )
-from llama_index_crag.grader import Verdict, band
+from llama_index_crag.core.grader import Verdict, band
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.scorers.registry import from_spec, report_scorers
 
 KINDS = (IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE)
-
-
-def build_scorer(name: str, corpus: Sequence[str], llm: Any = None) -> RelevanceScorer:
-    """A scorer by its CLI name: default (what ``from_defaults()`` grades with), evidence, reader (the packaged
-    one), reader:DIR, bi-encoder, llm-judge, cross-encoder:MODEL, flag:MODEL."""
-    from llama_index_crag.scorers import BiEncoderScorer, CrossEncoderScorer, LLMJudgeScorer
-
-    if name == "default":
-        from llama_index_crag.engine import default_scorer
-
-        return default_scorer(corpus=corpus)
-    if name == "reader":
-        from llama_index_crag.scorers.reader import ReaderScorer, packaged_grader_path
-
-        return ReaderScorer(packaged_grader_path(), corpus=corpus)
-    if name == "evidence":
-        return EvidenceScorer(corpus=corpus)
-    if name == "bi-encoder":
-        return BiEncoderScorer()
-    if name == "llm-judge":
-        if llm is None:
-            from llama_index_crag.models import default_llm
-
-            llm = default_llm()[0]
-        return LLMJudgeScorer(llm)
-    if name.startswith("reader:"):
-        from llama_index_crag.scorers.reader import ReaderScorer
-
-        return ReaderScorer(name.split(":", 1)[1], corpus=corpus)
-    if name.startswith("cross-encoder:"):
-        return CrossEncoderScorer(name.split(":", 1)[1])
-    if name.startswith("flag:"):
-        return CrossEncoderScorer(name.split(":", 1)[1], backend="flagembedding")
-    raise ValueError(
-        f"unknown scorer {name!r}: use default, evidence, reader, reader:DIR, bi-encoder, llm-judge, "
-        "cross-encoder:MODEL or flag:MODEL"
-    )
 
 
 @dataclass
@@ -387,19 +351,13 @@ def run_report(
 
     The first row is always the engine's default scorer (``default``), whatever ``scorers`` names.
     """
-    scorers = ["default", *[s for s in scorers if s != "default"]]
     labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress)
     batches, corpus = labelled.batches, labelled.corpus
     strips = labelled_strips(dataset, batches, min_tokens)
     calibration_data = json.loads(calibration.read_text(encoding="utf-8")) if calibration else None
     outcomes: List[Outcome] = []
     results: List[Dict[str, Any]] = []
-    measured: set = set()
-    for name in scorers:
-        scorer = build_scorer(name, corpus)
-        if scorer.name in measured:  # "evidence" named beside a default that is the evidence scorer
-            continue
-        measured.add(scorer.name)
+    for name, scorer in report_scorers(scorers, corpus):
         labelled.prime(scorer)
         subset = batches
         if name == "llm-judge":
@@ -458,7 +416,7 @@ def run_calibration(
         batches = [b for b in batches if b.question.split == split]
         if not batches:
             raise ValueError(f"no question of {dataset} has split {split!r}")
-    scorer = build_scorer(scorer_name, labelled.corpus)
+    scorer = from_spec(scorer_name, corpus=labelled.corpus)
     labelled.prime(scorer)
     state = None
     if isinstance(scorer, EvidenceScorer):

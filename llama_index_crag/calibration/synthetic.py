@@ -41,7 +41,7 @@ from llama_index_crag.calibration.fit import (
     ranking,
 )
 from llama_index_crag.datasets import Question, load_documents
-from llama_index_crag.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
+from llama_index_crag.local.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 
 #: The question word for each entity type the questions are made from.
 WH_WORDS: Dict[str, str] = {
@@ -187,7 +187,7 @@ def synthetic_batches(
 
     Only ``corpus.jsonl`` is read: no question or label of the dataset is used.
     """
-    from llama_index_crag.models import default_embed_model
+    from llama_index_crag.local.models import default_embed_model
 
     folder = Path(folder)
     embed_model = embed_model or default_embed_model()

@@ -122,7 +122,7 @@ def train_grader(
     """
     import torch
 
-    from llama_index_crag.bundled import bundled_embedding_path
+    from llama_index_crag.local.bundled import bundled_embedding_path
 
     config = config or TrainingConfig()
     base = Path(base or bundled_embedding_path())

@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List
 
+from llama_index_crag.core.refiner import decompose
 from llama_index_crag.datasets import normalise_text, read_jsonl
-from llama_index_crag.refiner import decompose
 
 
 def _group(sentences: List[str], min_words: int) -> List[range]:

@@ -149,7 +149,7 @@ class EvidenceScorer(RelevanceScorer):
         """Weigh words by ``weights`` (word to IDF, as ``idf`` computes it) for a corpus of ``size`` texts.
 
         ``weights`` may be any mapping: a store that looks words up as they are asked for
-        (``llama_index_crag.postgres.StoredIdf``) serves a corpus too large to hold in memory.
+        (``llama_index_crag.stores.postgres.StoredIdf``) serves a corpus too large to hold in memory.
         """
         self._idf = weights
         self._unseen_idf = math.log(size + 1) if size else 1.0

@@ -41,15 +41,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llama_index_crag.datasets import clean_text
-from llama_index_crag.engine import (
+from llama_index_crag.core.engine import (
     CorrectiveQueryEngine,
     GenerationError,
     InvalidQueryError,
     RetrievalUnavailableError,
 )
-from llama_index_crag.fallback import SOURCE_KEY
+from llama_index_crag.core.fallback import SOURCE_KEY
 from llama_index_crag.server.metrics import ServerMetrics
+from llama_index_crag.stores.chunking import clean_text
 
 log = logging.getLogger("llama_index_crag.server")
 STATIC = Path(__file__).parent / "static"

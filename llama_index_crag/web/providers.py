@@ -7,13 +7,10 @@ from typing import Any, List, Mapping, Optional, Protocol, Sequence
 
 import httpx
 
-from llama_index_crag.settings import WebSearchSettings
+from llama_index_crag.core.settings import WebSearchSettings
+from llama_index_crag.errors import WebSearchError
 
 _INSTALL = "pip install 'llama-index-crag[web]'"
-
-
-class WebSearchError(RuntimeError):
-    """The search provider could not be asked, or did not answer in time; the web branch abstains."""
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ from llama_index.core.bridge.pydantic import BaseModel, Field
 from llama_index.core.llms import LLM
 from llama_index.core.prompts import PromptTemplate
 
-from llama_index_crag.datasets import clean_text
-from llama_index_crag.models import describe_llm
+from llama_index_crag.errors import RewriteError
+from llama_index_crag.local.models import describe_llm
 from llama_index_crag.scorers.evidence import terms
+from llama_index_crag.stores.chunking import clean_text
 
 DEFAULT_REWRITE_PROMPT = PromptTemplate(
     "You rewrite search queries so that a document search finds the passages that answer them.\n"
@@ -23,10 +24,6 @@ class RewrittenQuery(BaseModel):
     """A search query rewritten for better retrieval."""
 
     query: str = Field(description="The rewritten search query, in the language of the original.")
-
-
-class RewriteError(RuntimeError):
-    """The rewrite failed; the engine records ``str(error)`` and searches with the question's keywords instead."""
 
 
 class QueryRewriter:

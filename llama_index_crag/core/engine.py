@@ -2,111 +2,60 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import copy
 import logging
-import os
-import threading
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable, Dict, Generator, List, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import asdict
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
-from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.base.response.schema import (
     RESPONSE_TYPE,
-    AsyncStreamingResponse,
-    Response,
-    StreamingResponse,
 )
 from llama_index.core.callbacks import CallbackManager
-from llama_index.core.indices.base import BaseIndex
 from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.llms import LLM, MockLLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts.mixin import PromptMixinType
-from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
-from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
-from llama_index.core.settings import Settings
+from llama_index.core.response_synthesizers import BaseSynthesizer
+from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from llama_index_crag.answers.extract import EvidenceQuoter, QuotedAnswer
 from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode, outcome_of
-from llama_index_crag.datasets import clean_text
-from llama_index_crag.fallback import SOURCE_KEY, FallbackRetriever
-from llama_index_crag.grader import Grading, RelevanceGrader, Verdict
-from llama_index_crag.models import describe_llm
-from llama_index_crag.prompts import QUOTED_QA_TEMPLATE, QUOTED_REFINE_TEMPLATE, quote_sources
-from llama_index_crag.refiner import StripRefiner
-from llama_index_crag.rewrite import QueryRewriter, RewriteError
-from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.core.builder import from_defaults
+from llama_index_crag.core.driver import (
+    Io,
+    Loop,
+    adrive,
+    bind,
+    check_when_streamed,
+    drive,
+    left,
+    text_response,
+)
+from llama_index_crag.core.fallback import SOURCE_KEY, FallbackRetriever
+from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
+from llama_index_crag.core.prompts import QUOTED_QA_TEMPLATE, QUOTED_REFINE_TEMPLATE, quote_sources
+from llama_index_crag.core.refiner import StripRefiner
+from llama_index_crag.core.rewrite import QueryRewriter, RewriteError
+from llama_index_crag.core.settings import CragSettings
+from llama_index_crag.core.trace import CragTrace, NodeGrade
+from llama_index_crag.errors import CorrectiveTimeout, GenerationError, InvalidQueryError
+from llama_index_crag.local.models import describe_llm
 from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
-from llama_index_crag.scorers.evidence import EvidenceScorer
-from llama_index_crag.settings import CragSettings, WebSearchSettings, read_calibration
-from llama_index_crag.trace import CragTrace, NodeGrade
+from llama_index_crag.stores.chunking import clean_text
 from llama_index_crag.web.retriever import WebSearchRetriever, collect_web_reports, is_web
 
 logger = logging.getLogger(__name__)
 
-#: Whether ``from_defaults()`` grades with the reader shipped in the package (behind the evidence
-#: features, as a cascade) rather than with the evidence features alone. Set by measurement: the
-#: reader becomes the default only where its 5-fold cross-validated figures beat the evidence
-#: scorer's on SQuAD 2.0, SciFact and the held-out human pairs (docs/grading.md, "The packaged reader").
-PACKAGED_READER_IS_DEFAULT = False
 
 dispatcher = get_dispatcher(__name__)
 
 
 #: What LlamaIndex's synthesizers answer when the LLM returned no text.
 _SYNTHESIZER_EMPTY = "Empty Response"
-
-
-class InvalidQueryError(ValueError):
-    """The query cannot be answered as given (empty, or longer than ``max_query_chars``)."""
-
-
-class GenerationError(RuntimeError):
-    """The generator LLM failed; the message names the model and, where it has one, its server."""
-
-
-class RetrievalUnavailableError(RuntimeError):
-    """The retriever's backing store cannot be reached (a server answers 503); the message names the store."""
-
-
-@dataclass
-class _Io:
-    """One piece of I/O the loop hands to a driver: how to do it sync and async, and its time limit."""
-
-    run: Callable[[], Any]
-    arun: Callable[[], Awaitable[Any]]
-    timeout_s: Optional[float] = None
-
-
-class CorrectiveTimeout(TimeoutError):
-    """A step of the correction path ran past what was left of its time budget."""
-
-
-_Loop = Generator[_Io, Any, Any]
-_Outcome = Tuple[Any, Optional[BaseException]]
-
-
-@dataclass
-class _Done:
-    """The loop has finished with this response."""
-
-    response: RESPONSE_TYPE
-
-
-def _advance(loop: _Loop, outcome: _Outcome) -> Union[_Io, _Done]:
-    """Hand the last step's result (or its error) back to the loop and get its next step."""
-    value, error = outcome
-    try:
-        return loop.throw(error) if error is not None else loop.send(value)
-    except StopIteration as done:
-        return _Done(done.value)
 
 
 class CorrectiveQueryEngine(BaseQueryEngine):
@@ -176,132 +125,8 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         )
         super().__init__(callback_manager=callback_manager or response_synthesizer.callback_manager)
 
-    @classmethod
-    def from_defaults(
-        cls,
-        index: Optional[BaseIndex] = None,
-        retriever: Optional[BaseRetriever] = None,
-        nodes: Optional[Sequence[BaseNode]] = None,
-        llm: Optional[LLM] = None,
-        scorer: Optional[RelevanceScorer] = None,
-        embed_model: Optional[BaseEmbedding] = None,
-        node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
-        response_synthesizer: Optional[BaseSynthesizer] = None,
-        response_mode: ResponseMode = ResponseMode.COMPACT,
-        streaming: bool = False,
-        fallback: Optional[BaseRetriever] = None,
-        fallback_sources: Sequence[str] = ("bm25", "sentence_window"),
-        web: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
-        calibration_path: Optional[str] = None,
-        callback_manager: Optional[CallbackManager] = None,
-        vector_store: Optional[Any] = None,
-        **settings: Any,
-    ) -> CorrectiveQueryEngine:
-        """Build the engine around what the user already has.
-
-        Give a ``vector_store`` (a ``PGVectorStore`` or ``postgresql://`` URL filled by
-        ``llama-crag ingest --store``: retrieval, fallback and word statistics then stay in
-        PostgreSQL, see ``docs/postgres.md``), an ``index``, a ``retriever`` or ``nodes`` (an in-memory vector index is
-        built over them). The fallback retriever is built over the same nodes (taken
-        from ``nodes`` or the index's docstore); with no nodes at hand (a remote vector
-        store), the rewritten query goes back through the primary retriever.
-
-        ``scorer`` defaults to the offline ``EvidenceScorer`` (bundled MiniLM plus lexical
-        and answer-type evidence, IDF from the same nodes), or to a ``ReaderScorer`` over
-        the grader directory in ``CRAG_GRADER`` (``llama-crag train-grader``). Any keyword
-        of ``CragSettings`` (``upper``, ``lower``, ``max_rewrites``, ``enabled`` ...)
-        may be passed; it wins over ``CRAG_*`` variables and the calibration file.
-
-        ``web`` turns on the web-search source of the fallback (off by default): ``True``,
-        a dict of ``WebSearchSettings`` fields, or the settings themselves; ``CRAG_WEB=on``
-        and ``CRAG_WEB_*`` variables do the same, and ``CRAG_WEB_FORBIDDEN=true`` forbids
-        sending anything whatever the code says.
-        """
-        if vector_store is not None:  # a PostgreSQL store: the whole loop runs against it (llama_index_crag.postgres)
-            from llama_index_crag.postgres import engine_from_store
-
-            return engine_from_store(
-                vector_store,
-                llm=llm or _settings_llm(),
-                embed_model=embed_model,
-                scorer=scorer,
-                node_postprocessors=node_postprocessors,
-                response_synthesizer=response_synthesizer,
-                calibration_path=calibration_path,
-                callback_manager=callback_manager,
-                **settings,
-            )
-        llm = llm or _settings_llm()
-        unknown = set(settings) - set(CragSettings.model_fields)
-        if unknown:
-            raise TypeError(f"unknown settings {sorted(unknown)}; see CragSettings for the names")
-        if nodes is None and index is not None:
-            nodes = list(index.docstore.docs.values())
-        if scorer is None:
-            corpus = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes or []]
-            scorer = default_scorer(embed_model, corpus or None)
-        calibration_path = calibration_path or os.environ.get("CRAG_CALIBRATION")
-        load_state = getattr(scorer, "load_state", None)
-        if calibration_path and load_state is not None:
-            state = read_calibration(calibration_path, scorer.name).get("scorer_state")
-            if state is not None:
-                load_state(state)
-        resolved = CragSettings.resolve(
-            settings,
-            calibration_path=calibration_path,
-            scorer_name=scorer.name,
-            scorer_defaults=getattr(scorer, "default_thresholds", None),
-        )
-        if index is None and retriever is None:
-            if nodes is None:
-                raise ValueError("give the engine something to search: index=, retriever= or nodes=")
-            from llama_index.core import VectorStoreIndex
-
-            from llama_index_crag.models import default_embed_model
-
-            index = VectorStoreIndex(list(nodes), embed_model=embed_model or default_embed_model())
-        if retriever is None:
-            assert index is not None
-            retriever = index.as_retriever(similarity_top_k=resolved.similarity_top_k)
-        web_settings = WebSearchSettings.resolve(web)
-        if fallback is None:
-            if nodes and any(n.get_content().strip() for n in nodes):
-                fallback = FallbackRetriever.from_nodes(
-                    nodes, sources=fallback_sources, similarity_top_k=resolved.similarity_top_k, embed_model=embed_model
-                )
-            else:
-                fallback = FallbackRetriever({"primary": retriever}, similarity_top_k=resolved.similarity_top_k)
-        if web_settings.enabled:
-            fallback = FallbackRetriever.with_web(
-                fallback,
-                WebSearchRetriever(web_settings, scorer=scorer, strip_min_tokens=resolved.strip_min_tokens),
-                similarity_top_k=resolved.similarity_top_k,
-            )
-        synthesizer = response_synthesizer or get_response_synthesizer(
-            llm=llm or MockLLM(), response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
-        )
-        return cls(
-            retriever=retriever,
-            grader=RelevanceGrader(
-                scorer,
-                upper=resolved.upper,
-                lower=resolved.lower,
-                aggregation=resolved.aggregation,
-                min_relevant=resolved.min_relevant,
-                explain=resolved.explain,
-            ),
-            refiner=StripRefiner(
-                scorer,
-                threshold=resolved.lower if resolved.strip_threshold is None else resolved.strip_threshold,
-                strip_min_tokens=resolved.strip_min_tokens,
-            ),
-            fallback=fallback,
-            rewriter=QueryRewriter(llm) if llm is not None else None,
-            response_synthesizer=synthesizer,
-            settings=resolved,
-            node_postprocessors=node_postprocessors,
-            callback_manager=callback_manager,
-        )
+    #: Build the engine around what the user already has (``core/builder.py`` says how).
+    from_defaults = classmethod(from_defaults)
 
     def variant(self, *, streaming: Optional[bool] = None, explain: Optional[bool] = None) -> CorrectiveQueryEngine:
         """This engine with another streaming or explain setting, sharing every part (retrievers, scorer, caches).
@@ -366,30 +191,13 @@ class CorrectiveQueryEngine(BaseQueryEngine):
 
     @dispatcher.span
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        loop = self._loop(query_bundle, is_async=False)
-        outcome: _Outcome = (None, None)
-        while not isinstance(step := _advance(loop, outcome), _Done):
-            try:
-                outcome = (_run_with_timeout(step.run, step.timeout_s), None)
-            except Exception as exc:
-                outcome = (None, exc)
-        return step.response
+        return drive(self._loop(query_bundle, is_async=False))
 
     @dispatcher.span
     async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        loop = self._loop(query_bundle, is_async=True)
-        outcome: _Outcome = (None, None)
-        while not isinstance(step := _advance(loop, outcome), _Done):
-            try:
-                limit = None if step.timeout_s is None else max(step.timeout_s, 0.0)
-                outcome = (await asyncio.wait_for(step.arun(), limit), None)
-            except asyncio.TimeoutError:
-                outcome = (None, CorrectiveTimeout())
-            except Exception as exc:
-                outcome = (None, exc)
-        return step.response
+        return await adrive(self._loop(query_bundle, is_async=True))
 
-    def _loop(self, query_bundle: QueryBundle, is_async: bool) -> _Loop:
+    def _loop(self, query_bundle: QueryBundle, is_async: bool) -> Loop:
         """The corrective loop for one query; yields its I/O to the sync or async driver."""
         query_bundle = _checked_query(query_bundle, self.settings.max_query_chars)
         s = self.settings
@@ -404,7 +212,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             warnings=list(self._grader.scorer.warnings),
         )
         with trace.timed("retrieve"):
-            nodes = yield _Io(
+            nodes = yield Io(
                 lambda: self._retriever.retrieve(query_bundle), lambda: self._retriever.aretrieve(query_bundle)
             )
         if s.enabled:
@@ -415,8 +223,8 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         context: List[NodeWithScore] = nodes
         if s.enabled:
             with trace.timed("grade"):
-                grading = yield _Io(
-                    _bind(self._grader.grade, query_bundle, nodes), _bind(self._grader.agrade, query_bundle, nodes)
+                grading = yield Io(
+                    bind(self._grader.grade, query_bundle, nodes), bind(self._grader.agrade, query_bundle, nodes)
                 )
             _record(trace, nodes, grading)
             trace.action = grading.verdict.value
@@ -436,7 +244,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             quoted = yield from self._quote(query_bundle, context, trace)
             if quoted.quotes:
                 trace.answered_by = "extract"
-                response = _text_response(quoted.text, context, streaming, is_async)
+                response = text_response(quoted.text, context, streaming, is_async)
             else:
                 trace.abstain(
                     "no strip of the graded passages clears the strip threshold and states what the question "
@@ -449,16 +257,16 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 response = yield from self._check(query_bundle, context, response, trace, is_async)
         if trace.abstained or response is None:
             trace.answered_by = "abstain"
-            response = _text_response(s.abstain_text, [], streaming, is_async)
+            response = text_response(s.abstain_text, [], streaming, is_async)
         response.metadata = {**(response.metadata or {}), "crag": trace.to_dict()}
         if trace.answered_by == "generate" and streaming and s.enabled and s.check_answers:
-            _check_when_streamed(response, self._stream_check(query_bundle, context, response))
+            check_when_streamed(response, self._stream_check(query_bundle, context, response))
         dispatcher.event(trace.publish())
         return response
 
     def _generate(
         self, query_bundle: QueryBundle, context: List[NodeWithScore], trace: CragTrace
-    ) -> Generator[_Io, Any, RESPONSE_TYPE]:
+    ) -> Generator[Io, Any, RESPONSE_TYPE]:
         """The synthesizer's answer from the corrected context (web pages quoted between source tags)."""
         synthesizer, sources = self._synthesizer, context
         if any(is_web(n) for n in context):
@@ -466,9 +274,9 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             synthesizer, sources = self._quoting_synthesizer(), quote_sources(context)
         with trace.timed("generate"):
             try:
-                response = yield _Io(
-                    _bind(synthesizer.synthesize, query_bundle, sources),
-                    _bind(synthesizer.asynthesize, query_bundle, sources),
+                response = yield Io(
+                    bind(synthesizer.synthesize, query_bundle, sources),
+                    bind(synthesizer.asynthesize, query_bundle, sources),
                 )
             except Exception as exc:
                 llm = getattr(self._synthesizer, "_llm", None)
@@ -480,13 +288,11 @@ class CorrectiveQueryEngine(BaseQueryEngine):
 
     def _quote(
         self, query_bundle: QueryBundle, context: List[NodeWithScore], trace: CragTrace
-    ) -> Generator[_Io, Any, QuotedAnswer]:
+    ) -> Generator[Io, Any, QuotedAnswer]:
         """The best strips of the context, quoted with their sources (recorded in the trace)."""
         question = query_bundle.query_str
         with trace.timed("extract"):
-            quoted = yield _Io(
-                _bind(self._quoter.quote, question, context), _bind(self._quoter.aquote, question, context)
-            )
+            quoted = yield Io(bind(self._quoter.quote, question, context), bind(self._quoter.aquote, question, context))
         trace.quotes = quoted.to_list()
         return quoted
 
@@ -497,7 +303,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         response: RESPONSE_TYPE,
         trace: CragTrace,
         is_async: bool,
-    ) -> Generator[_Io, Any, Optional[RESPONSE_TYPE]]:
+    ) -> Generator[Io, Any, Optional[RESPONSE_TYPE]]:
         """Check a generated answer against its context and apply ``on_ungrounded``; None means abstain."""
         question, answer = query_bundle.query_str, str(getattr(response, "response", None) or "")
         if answer.strip() == _SYNTHESIZER_EMPTY:
@@ -505,9 +311,9 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         evidence = _evidence(context)
         with trace.timed("check"):
             try:
-                check = yield _Io(
-                    _bind(self._checker.check, answer, evidence, question),
-                    _bind(self._checker.acheck, answer, evidence, question),
+                check = yield Io(
+                    bind(self._checker.check, answer, evidence, question),
+                    bind(self._checker.acheck, answer, evidence, question),
                 )
             except Exception as exc:
                 check = AnswerCheck("error", None, reason=f"the check failed: {type(exc).__name__}: {exc}")
@@ -522,7 +328,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
             return response
         if outcome == "extract" and quoted.quotes:
             trace.answered_by = "extract"
-            return _text_response(quoted.text, context, False, is_async)
+            return text_response(quoted.text, context, False, is_async)
         unsupported = ", ".join(check.unsupported[:5])
         trace.abstain(
             f"the generated answer failed its check against the sources ({check.reason}"
@@ -573,13 +379,13 @@ class CorrectiveQueryEngine(BaseQueryEngine):
 
     def _refine(
         self, query_bundle: QueryBundle, nodes: List[NodeWithScore], grading: Grading, trace: CragTrace
-    ) -> Generator[_Io, Any, List[NodeWithScore]]:
+    ) -> Generator[Io, Any, List[NodeWithScore]]:
         """AMBIGUOUS: keep the relevant strips of the candidates, optionally add fallback hits."""
         candidates = _not_incorrect(nodes, grading) or nodes
         with trace.timed("refine"):
-            refinement = yield _Io(
-                _bind(self._refiner.refine, query_bundle, candidates),
-                _bind(self._refiner.arefine, query_bundle, candidates),
+            refinement = yield Io(
+                bind(self._refiner.refine, query_bundle, candidates),
+                bind(self._refiner.arefine, query_bundle, candidates),
             )
         trace.strips_kept, trace.strips_dropped = refinement.kept, refinement.dropped
         trace.strips = [asdict(strip) for strip in refinement.strips]
@@ -594,10 +400,10 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 if _searches_web(self._fallback) and self._rewriter is not None and self.settings.max_rewrites > 0:
                     rewriter = self._rewriter
                     with trace.timed("rewrite"):
-                        rewritten = yield _Io(
-                            _bind(rewriter.rewrite, query_bundle.query_str),
-                            _bind(rewriter.arewrite, query_bundle.query_str),
-                            _left(deadline),
+                        rewritten = yield Io(
+                            bind(rewriter.rewrite, query_bundle.query_str),
+                            bind(rewriter.arewrite, query_bundle.query_str),
+                            left(deadline),
                         )
                     trace.rewrites, trace.rewritten_query, search = 1, rewritten, QueryBundle(rewritten)
                 context += yield from self._fallback_hits(query_bundle, search, deadline, trace)
@@ -605,7 +411,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
                 trace.fallback_error = f"{type(exc).__name__}: {exc}"
         return context
 
-    def _correct(self, query_bundle: QueryBundle, trace: CragTrace) -> Generator[_Io, Any, List[NodeWithScore]]:
+    def _correct(self, query_bundle: QueryBundle, trace: CragTrace) -> Generator[Io, Any, List[NodeWithScore]]:
         """INCORRECT: rewrite (capped), retrieve through the fallback, grade again, or abstain."""
         s = self.settings
         deadline = time.monotonic() + s.correction_timeout_s
@@ -645,7 +451,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         trace.abstain(reason + _web_shortfall(trace))
         return []
 
-    def _rewrite(self, search: str, question: str, trace: CragTrace, deadline: float) -> Generator[_Io, Any, str]:
+    def _rewrite(self, search: str, question: str, trace: CragTrace, deadline: float) -> Generator[Io, Any, str]:
         """The LLM's rewrite of ``search``; when it fails (or there is no LLM), the question's keywords.
 
         A small model's JSON rewrite is often invalid, empty, unchanged or noise: the
@@ -655,9 +461,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         if self._rewriter is not None:
             rewriter = self._rewriter
             try:
-                rewritten = yield _Io(
-                    _bind(rewriter.rewrite, search), _bind(rewriter.arewrite, search), _left(deadline)
-                )
+                rewritten = yield Io(bind(rewriter.rewrite, search), bind(rewriter.arewrite, search), left(deadline))
                 trace.rewrite_source = "llm"
                 return str(rewritten)
             except RewriteError as exc:
@@ -667,35 +471,33 @@ class CorrectiveQueryEngine(BaseQueryEngine):
 
     def _postprocess(
         self, nodes: List[NodeWithScore], query_bundle: QueryBundle, deadline: Optional[float]
-    ) -> Generator[_Io, Any, List[NodeWithScore]]:
+    ) -> Generator[Io, Any, List[NodeWithScore]]:
         """Run the pipeline's own postprocessors (e.g. the reranker whose scores grading reuses)."""
         for postprocessor in self._postprocessors:
-            nodes = yield _Io(
-                _bind(postprocessor.postprocess_nodes, nodes, query_bundle),
-                _bind(postprocessor.apostprocess_nodes, nodes, query_bundle),
-                None if deadline is None else _left(deadline),
+            nodes = yield Io(
+                bind(postprocessor.postprocess_nodes, nodes, query_bundle),
+                bind(postprocessor.apostprocess_nodes, nodes, query_bundle),
+                None if deadline is None else left(deadline),
             )
         return nodes
 
     def _fallback_hits(
         self, question: QueryBundle, search: QueryBundle, deadline: float, trace: CragTrace
-    ) -> Generator[_Io, Any, List[NodeWithScore]]:
+    ) -> Generator[Io, Any, List[NodeWithScore]]:
         """Retrieve ``search`` through the fallback and keep what grades relevant to ``question``."""
         fallback = self._fallback
         assert fallback is not None
         with collect_web_reports() as reports:
             try:
                 with trace.timed("fallback"):
-                    hits = yield _Io(
-                        _bind(fallback.retrieve, search), _bind(fallback.aretrieve, search), _left(deadline)
-                    )
+                    hits = yield Io(bind(fallback.retrieve, search), bind(fallback.aretrieve, search), left(deadline))
             finally:
                 trace.web.extend(report.to_dict() for report in reports)
         trace.fallback_sources = sorted({h.node.metadata.get(SOURCE_KEY, "fallback") for h in hits})
         with trace.timed("regrade"):
             hits = yield from self._postprocess(hits, question, deadline)
-            grading = yield _Io(
-                _bind(self._grader.grade, question, hits), _bind(self._grader.agrade, question, hits), _left(deadline)
+            grading = yield Io(
+                bind(self._grader.grade, question, hits), bind(self._grader.agrade, question, hits), left(deadline)
             )
         _record(trace, hits, grading)
         trace.retry_score = grading.aggregate
@@ -733,44 +535,6 @@ def _web_shortfall(trace: CragTrace) -> str:
     return ""
 
 
-def default_scorer(
-    embed_model: Optional[BaseEmbedding] = None,
-    corpus: Optional[Sequence[str]] = None,
-    grader: Optional[str] = None,
-) -> EvidenceScorer:
-    """The offline default scorer, IDF from ``corpus`` when given.
-
-    ``grader`` (or ``CRAG_GRADER``) chooses: a grader directory gives a ``ReaderScorer`` over
-    it (a directory that cannot be loaded is an error: it was asked for by name);
-    ``"evidence"`` gives the ``EvidenceScorer``; ``"packaged"`` the reader shipped in the
-    package. Unset, the packaged reader is used when ``PACKAGED_READER_IS_DEFAULT`` (its
-    cross-validated figures beat the evidence scorer's, see docs/grading.md), else the
-    evidence scorer. A packaged reader that cannot be loaded (a damaged install) never
-    stops the engine: the evidence scorer grades instead and says so in ``warnings``,
-    which every trace of the engine carries.
-    """
-    grader = grader or os.environ.get("CRAG_GRADER") or ("packaged" if PACKAGED_READER_IS_DEFAULT else "evidence")
-    if grader == "evidence":
-        return EvidenceScorer(embed_model, corpus=corpus)
-    from llama_index_crag.scorers.reader import GraderLoadError, ReaderScorer, packaged_grader_path
-
-    if grader != "packaged":
-        return ReaderScorer(grader, embed_model, corpus=corpus)
-    try:
-        return ReaderScorer(packaged_grader_path(), embed_model, corpus=corpus)
-    except (GraderLoadError, ImportError, OSError) as exc:
-        warning = f"the packaged reader could not be loaded, grading with the evidence features instead: {exc}"
-        logger.warning(warning)
-        scorer = EvidenceScorer(embed_model, corpus=corpus)
-        scorer.warnings = (warning,)
-        return scorer
-
-
-def _settings_llm() -> Optional[LLM]:
-    """LlamaIndex's ``Settings.llm`` when one is set; None otherwise (the engine then quotes, never generates)."""
-    return getattr(Settings, "_llm", None)
-
-
 def _checked_query(query_bundle: QueryBundle, max_chars: int) -> QueryBundle:
     """The query with characters no store or tokenizer takes replaced (``clean_text``), or a clear error."""
     query = clean_text(query_bundle.query_str or "")
@@ -789,14 +553,6 @@ def _checked_query(query_bundle: QueryBundle, max_chars: int) -> QueryBundle:
         custom_embedding_strs=[clean_text(t) for t in query_bundle.custom_embedding_strs or []] or None,
         embedding=query_bundle.embedding,
     )
-
-
-def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-    return lambda: fn(*args)
-
-
-def _left(deadline: float) -> float:
-    return deadline - time.monotonic()
 
 
 def _not_incorrect(nodes: List[NodeWithScore], grading: Grading) -> List[NodeWithScore]:
@@ -831,94 +587,3 @@ def _record(trace: CragTrace, nodes: Sequence[NodeWithScore], grading: Grading) 
 def _evidence(context: Sequence[NodeWithScore]) -> List[str]:
     """The passage texts an answer was generated from, as the generator saw them."""
     return [n.node.get_content() for n in context]
-
-
-def _text_response(text: str, sources: Sequence[NodeWithScore], streaming: bool, is_async: bool) -> RESPONSE_TYPE:
-    """A response that is a fixed text (an abstention or a quoted answer), streamed in one piece when asked."""
-    if not streaming:
-        return Response(response=text, source_nodes=list(sources))
-    if is_async:
-
-        async def once() -> Any:
-            yield text
-
-        return AsyncStreamingResponse(response_gen=once(), source_nodes=list(sources))
-
-    def single() -> Generator[str, None, None]:
-        yield text
-
-    return StreamingResponse(response_gen=single(), source_nodes=list(sources))
-
-
-def _check_when_streamed(response: RESPONSE_TYPE, finish: Callable[[str, Optional[str]], None]) -> None:
-    """Wrap a streamed answer's tokens so that ``finish(text, cut)`` runs when the stream ends.
-
-    ``cut`` is None when the generator ran to its end, else why it did not (the reader
-    stopped reading, or the generator raised): the trace then says the answer is unchecked.
-    """
-    crag = response.metadata["crag"]  # type: ignore[index]
-    crag["answer_check"] = {"status": "pending", "grounded": None, "reason": "checked when the stream ends"}
-    tokens = response.response_gen  # type: ignore[union-attr]
-    if hasattr(tokens, "__aiter__"):
-
-        async def checked_async() -> Any:
-            parts: List[str] = []
-            cut: Optional[str] = "the reader stopped reading"
-            try:
-                async for token in tokens:
-                    parts.append(token)
-                    yield token
-                cut = None
-            except Exception as exc:
-                cut = f"{type(exc).__name__}: {exc}"
-                raise
-            finally:
-                if cut is None:
-                    await asyncio.to_thread(finish, "".join(parts), None)
-                else:
-                    finish("".join(parts), cut)
-
-        response.response_gen = checked_async()  # type: ignore[union-attr]
-        return
-
-    def checked() -> Generator[str, None, None]:
-        parts: List[str] = []
-        cut: Optional[str] = "the reader stopped reading"
-        try:
-            for token in tokens:
-                parts.append(token)
-                yield token
-            cut = None
-        except Exception as exc:
-            cut = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            finish("".join(parts), cut)
-
-    response.response_gen = checked()  # type: ignore[union-attr]
-
-
-def _run_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float]) -> Any:
-    """Run ``fn``; with a limit, in a daemon thread that is abandoned when the limit passes."""
-    if timeout_s is None:
-        return fn()
-    if timeout_s <= 0:
-        raise CorrectiveTimeout()
-    outcome: Dict[str, Any] = {}
-    finished = threading.Event()
-    context = contextvars.copy_context()
-
-    def target() -> None:
-        try:
-            outcome["value"] = context.run(fn)
-        except BaseException as exc:  # handed to the caller below
-            outcome["error"] = exc
-        finally:
-            finished.set()
-
-    threading.Thread(target=target, daemon=True, name="crag-correction").start()
-    if not finished.wait(timeout_s):
-        raise CorrectiveTimeout()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]

@@ -18,7 +18,7 @@ try:
 except ImportError as exc:  # the optional [local] extra
     raise ImportError("in-process generation needs llama.cpp: pip install 'llama-index-crag[local]'") from exc
 
-from llama_index_crag.bundled import bundled_gguf_path
+from llama_index_crag.local.bundled import bundled_gguf_path
 
 # JSON forbids raw control characters inside strings; llama.cpp's JSON grammars allow any character
 # but the quote and the backslash, so a small model can emit a raw newline that no parser accepts.
