@@ -120,7 +120,7 @@ class EvidenceScorer(RelevanceScorer):
         weights: Optional[Sequence[float]] = None,
         corpus: Optional[Iterable[str]] = None,
     ) -> None:
-        self.bi_encoder = BiEncoderScorer(embed_model)
+        self.bi_encoder: BiEncoderScorer = BiEncoderScorer(embed_model)
         self.name = self.bi_encoder.name.replace("bi-encoder:", "evidence:", 1)
         self.weights = np.asarray(weights if weights is not None else self.DEFAULT_WEIGHTS, dtype=np.float64)
         names = self.feature_names

@@ -279,9 +279,12 @@ def load_engine(loaded: LoadedIndex, llm: Optional[LLM], **settings: Any) -> Any
     """The engine over a loaded index: its scorer (the recorded grader, else the evidence scorer) with the
     persisted corpus statistics, its calibration, and the fallback over its chunks."""
     from llama_index_crag.core.engine import CorrectiveQueryEngine
+    from llama_index_crag.scorers.evidence import EvidenceScorer
     from llama_index_crag.scorers.registry import default_scorer
 
     scorer = default_scorer(loaded.embed_model, grader=loaded.manifest.get("grader"))
+    if not isinstance(scorer, EvidenceScorer):  # every default (evidence, a reader cascade) weighs words by IDF
+        raise IndexFolderError(f"{loaded.index_dir}: the grader {scorer.name} cannot use the index's word statistics")
     scorer.load_corpus_stats(json.loads((loaded.index_dir / CORPUS_STATS).read_text()))
     return CorrectiveQueryEngine.from_defaults(
         index=loaded.index,
