@@ -15,7 +15,7 @@ from llama_index.core.schema import MetadataMode
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
-from llama_index_crag.core.settings import CALIBRATION_VERSION
+from llama_index_crag.core.settings_sources import CALIBRATION_VERSION
 from llama_index_crag.datasets import Question, load_documents, load_questions, normalise_text, read_jsonl
 from llama_index_crag.local.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 from llama_index_crag.scorers.base import RelevanceScorer
@@ -201,7 +201,7 @@ def write_calibration(
     scorer_state: Optional[Mapping[str, Any]] = None,
     strips: Optional[Mapping[str, float]] = None,
 ) -> Dict[str, Any]:
-    """Write the versioned calibration file that ``settings.load_calibration`` reads.
+    """Write the versioned calibration file that ``core.settings_sources.load_calibration`` reads.
 
     ``strips`` (from ``fit_strip_threshold``) adds the knowledge-strip threshold and
     what it achieved, when the set labels evidence sentences or short answers."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from llama_index_crag.calibration.reader_model import GRADER_FILE, WEIGHTS_FILE, file_sha256
-from llama_index_crag.core.settings import read_calibration
+from llama_index_crag.core.settings_sources import read_calibration
 
 NOTICE_FILE = "NOTICE"
 
