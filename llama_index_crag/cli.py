@@ -484,7 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-crag", action="store_true", help="plain retrieve-then-generate, for comparison")
     serve.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (repeatable)")
     serve.add_argument("--max-body-bytes", type=int, default=64 * 1024, help="largest request body accepted")
-    serve.add_argument("--max-query-chars", type=int, default=4000, help="longest query accepted")
+    serve.add_argument(
+        "--max-query-chars",
+        type=int,
+        default=None,
+        help="longest query accepted (default: the engine's max_query_chars, CRAG_MAX_QUERY_CHARS or 8000)",
+    )
     serve.add_argument(
         "--query-timeout", type=float, default=120.0, help="seconds a query may take before it is cut off"
     )
