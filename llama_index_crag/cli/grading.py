@@ -207,7 +207,8 @@ def _pack_grader(args: argparse.Namespace) -> int:
 
 
 def _grade_report(args: argparse.Namespace) -> int:
-    from llama_index_crag.calibration.report import run_report, table
+    from llama_index_crag.calibration.report import run_report
+    from llama_index_crag.calibration.report_figures import table
 
     report = run_report(
         Path(args.dataset),
