@@ -254,6 +254,8 @@ def test_web_lists_and_the_tavily_key_come_from_the_environment_as_documented() 
     assert WebSearchSettings.resolve(None, environ={**env, "CRAG_WEB_TAVILY_API_KEY": "ours"}).tavily_api_key == "ours"
     with pytest.raises(ConfigError, match="CRAG_WEB_MAX_RESULTS='500' is invalid"):
         WebSearchSettings.resolve(None, environ={"CRAG_WEB_MAX_RESULTS": "500"})
+    with pytest.raises(ConfigError, match=r"CRAG_WEB_REDACT_PATTERNS='.*' holds '\(', which is not a regular"):
+        WebSearchSettings.resolve(None, environ={"CRAG_WEB_REDACT_PATTERNS": "ACME-\\d+\n("})
     with pytest.raises(ConfigError, match="unknown web settings"):
         WebSearchSettings.resolve({"max_result": 3}, environ={})
 

@@ -21,6 +21,7 @@ from llama_index_crag.calibration.fit import (
     write_calibration,
 )
 from llama_index_crag.calibration.report_figures import KINDS, Outcome, figures, plot, table
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.scorers.registry import from_spec, report_scorers
@@ -180,7 +181,7 @@ def with_calibration(
     fitted = set(calibration.get("fitted_qids", []))
     held_out = [b for b in batches if b.question.qid not in fitted]
     if not held_out:
-        raise ValueError("every question of this dataset was used to fit the calibration: calibrate on a split")
+        raise ConfigError("every question of this dataset was used to fit the calibration: calibrate on a split")
     if isinstance(scorer, EvidenceScorer) and "scorer_state" in calibration:
         scorer.load_state(calibration["scorer_state"])
     scored = score_batches(scorer, held_out, progress=progress)
@@ -286,7 +287,7 @@ def run_calibration(
     if split is not None:
         batches = [b for b in batches if b.question.split == split]
         if not batches:
-            raise ValueError(f"no question of {dataset} has split {split!r}")
+            raise ConfigError(f"no question of {dataset} has split {split!r}")
     scorer = from_spec(scorer_name, corpus=labelled.corpus)
     labelled.prime(scorer)
     state = None

@@ -7,7 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from llama_index_crag.cli import demo, grading, store
-from llama_index_crag.errors import GeneratorUnavailable
+from llama_index_crag.errors import CragError
 from llama_index_crag.evaluation.command import add_eval_parser
 
 
@@ -23,10 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``llama-crag``."""
+    """Entry point of ``llama-crag``: a problem the user can fix (a ``CragError``, or a missing file such as a
+    dataset) is printed as one line and exits 2; anything else is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except (ValueError, FileNotFoundError, GeneratorUnavailable) as exc:
+    except (CragError, FileNotFoundError) as exc:
         print(f"llama-crag: {exc}", file=sys.stderr)
         return 2

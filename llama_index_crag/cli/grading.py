@@ -10,6 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from llama_index_crag.errors import ConfigError
+
 
 def add_parsers(commands: Any) -> None:
     """Add the grading commands to ``llama-crag``'s subparsers."""
@@ -154,7 +156,9 @@ def _train_grader(args: argparse.Namespace) -> int:
     from llama_index_crag.calibration.training import PairSet, TrainingConfig, train_grader
 
     if not args.corpus and not args.pairs_file:
-        raise ValueError("train-grader needs --pairs-file FILE (labelled pairs), --corpus DIR (pairs from it), or both")
+        raise ConfigError(
+            "train-grader needs --pairs-file FILE (labelled pairs), --corpus DIR (pairs from it), or both"
+        )
     sets = []
     if args.pairs_file:
         sets.append(load_labelled_pairs(args.pairs_file, seed=args.seed))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 
 
@@ -80,7 +81,7 @@ def _ingest(args: argparse.Namespace) -> int:
     from llama_index_crag.stores.folder import ingest
 
     if bool(args.out) == bool(args.store):
-        raise SystemExit("llama-crag ingest: give either --out INDEX_DIR or --store postgresql://...")
+        raise ConfigError("ingest needs either --out INDEX_DIR or --store postgresql://...")
     if args.store:
         from llama_index_crag.stores.postgres import PostgresStore
         from llama_index_crag.stores.postgres import ingest as ingest_store
@@ -104,7 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
     from llama_index_crag.server.main import ServeOptions, serve
 
     if bool(args.index) == bool(args.store):
-        raise SystemExit("llama-crag serve: give either --index INDEX_DIR or --store postgresql://...")
+        raise ConfigError("serve needs either --index INDEX_DIR or --store postgresql://...")
     serve(
         ServeOptions(
             index=args.index,

@@ -13,7 +13,7 @@ from llama_index_crag.core.settings_sources import (
     Environment,
     Flag,
     KillSwitch,
-    LineList,
+    PatternList,
     Sources,
     Values,
     current_sources,
@@ -195,7 +195,7 @@ class WebSearchSettings(BaseSettings):
     timeout_s: float = Field(default=5.0, gt=0, description="Timeout of every single HTTP call.")
     deadline_s: float = Field(default=15.0, gt=0, description="Time budget of one web search, pages included.")
     concurrency: int = Field(default=4, ge=1, le=32, description="Pages fetched at once.")
-    redact_patterns: LineList = Field(
+    redact_patterns: PatternList = Field(
         default_factory=list,
         description="Regular expressions removed from the query before it is sent (in the environment, one a line).",
     )

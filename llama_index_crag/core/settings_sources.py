@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
-from pydantic import BeforeValidator, ValidationError
+from pydantic import AfterValidator, BeforeValidator, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource
 
@@ -44,11 +45,21 @@ def _line_list(value: Any) -> Any:
     return [line for line in value.splitlines() if line.strip()] if isinstance(value, str) else value
 
 
+def _compiled(patterns: List[str]) -> List[str]:
+    """Refuse a pattern that is not a regular expression now, not on the first query that would need it."""
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"holds {pattern!r}, which is not a regular expression: {exc}") from exc
+    return patterns
+
+
 Flag = Annotated[bool, BeforeValidator(as_bool)]
 #: A list that the environment gives comma-separated (``a.org,*.b.org``), not as JSON.
 CommaList = Annotated[List[str], NoDecode, BeforeValidator(_comma_list)]
-#: A list that the environment gives one item a line (regular expressions may hold commas).
-LineList = Annotated[List[str], NoDecode, BeforeValidator(_line_list)]
+#: Regular expressions, which the environment gives one a line (they may hold commas).
+PatternList = Annotated[List[str], NoDecode, BeforeValidator(_line_list), AfterValidator(_compiled)]
 
 
 @dataclass(frozen=True)
