@@ -11,6 +11,7 @@ from typing import Dict, Iterator, List, Optional
 
 from llama_index.core.schema import Document
 
+from llama_index_crag.errors import DatasetError
 from llama_index_crag.stores.chunking import clean_text
 
 SAMPLE_DIR = Path(__file__).parent / "data"
@@ -39,7 +40,7 @@ def read_jsonl(path: Path) -> Iterator[dict]:
                 try:
                     yield json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{number} is not valid JSON: {exc}") from exc
+                    raise DatasetError(f"{path}:{number} is not valid JSON: {exc}") from exc
 
 
 def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:

@@ -19,6 +19,11 @@ class ConfigError(CragError, ValueError):
     """A setting, environment variable or calibration file that cannot be used; the message names it."""
 
 
+class DatasetError(CragError, ValueError):
+    """A dataset, corpus or labelled-pairs file that cannot be used: malformed, or lacking what the job needs
+    (answerable and unanswerable questions, positive and negative pairs); the message names the file."""
+
+
 class InvalidQueryError(CragError, ValueError):
     """The query cannot be answered as given (empty, or longer than ``max_query_chars``)."""
 
@@ -73,6 +78,7 @@ __all__ = [
     "ConfigError",
     "CorrectiveTimeout",
     "CragError",
+    "DatasetError",
     "GenerationError",
     "GeneratorUnavailable",
     "GraderLoadError",

@@ -365,7 +365,9 @@ def test_a_guarded_server_asks_for_the_key_then_answers(browser: WebDriver, engi
 
 
 def test_a_refused_query_shows_the_servers_error(browser: WebDriver, engine: Any) -> None:
-    with LiveServer(create_app(engine, ServerConfig(max_query_chars=20))) as strict:
+    strict_engine = engine.variant()
+    strict_engine.settings = engine.settings.model_copy(update={"max_query_chars": 20})
+    with LiveServer(create_app(strict_engine, ServerConfig())) as strict:
         open_console(browser, strict.url)
         browser.find_element(By.ID, "query-input").send_keys(CORRECT)
         browser.find_element(By.ID, "ask").click()

@@ -194,7 +194,7 @@ def test_openai_sdk_uses_the_engine_as_a_model(server: LiveServer) -> None:
         ({"query": ["a"]}, 422, "invalid_request"),
         ({"query": "x", "explain": "yes"}, 422, "invalid_request"),
         ({"query": "x", "unknown": 1}, 422, "invalid_request"),
-        ({"query": "x" * 4001}, 400, "query_too_long"),
+        ({"query": "x" * 8001}, 400, "query_too_long"),  # the engine's max_query_chars
     ],
 )
 def test_bad_query_requests_get_clear_json_errors(
@@ -204,6 +204,21 @@ def test_bad_query_requests_get_clear_json_errors(
     assert reply.status_code == status
     error = reply.json()["error"]
     assert error["code"] == code and error["message"]
+
+
+def test_the_server_refuses_a_long_query_at_the_engines_own_limit(
+    index_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llama_index_crag.server.main import ServeOptions, build_app
+
+    monkeypatch.setenv("CRAG_MAX_QUERY_CHARS", "40")
+    served = build_app(ServeOptions(index=str(index_dir), llm="none"))
+    with LiveServer(served) as live:
+        refused = _post(live, "/query", json={"query": "Who is the CEO of Harbor Analytics today?"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "query_too_long"
+        assert "41 characters, over the limit of 40" in refused.json()["error"]["message"]
+    with LiveServer(build_app(ServeOptions(index=str(index_dir), llm="none", max_query_chars=60))) as live:
+        assert _post(live, "/query", json={"query": "Who is the CEO of Harbor Analytics today?"}).status_code == 200
 
 
 def test_nul_and_lone_surrogates_in_a_request_are_replaced_or_refused(server: LiveServer) -> None:

@@ -25,7 +25,8 @@ from llama_index_crag.core.fallback import FallbackRetriever
 from llama_index_crag.core.grader import RelevanceGrader
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
-from llama_index_crag.core.settings import CragSettings, WebSearchSettings, read_calibration
+from llama_index_crag.core.settings import CragSettings, WebSearchSettings
+from llama_index_crag.core.settings_sources import read_calibration
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.registry import default_scorer
 from llama_index_crag.web.retriever import WebSearchRetriever

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.datasets import content_hash
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.evaluation.corpus import EvalCorpus
 from llama_index_crag.evaluation.dataset import EvalQuestion, load_eval_questions
 from llama_index_crag.evaluation.generator import MeteredLLM, TokenCounter, generator_token_counter
@@ -60,7 +61,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if unknown:
-            raise ValueError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
+            raise ConfigError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
         check_spec(self.scorer)
 
     def command(self) -> str:

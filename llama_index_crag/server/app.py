@@ -41,13 +41,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llama_index_crag.core.engine import (
-    CorrectiveQueryEngine,
-    GenerationError,
-    InvalidQueryError,
-    RetrievalUnavailableError,
-)
+from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.core.fallback import SOURCE_KEY
+from llama_index_crag.errors import GenerationError, InvalidQueryError, RetrievalUnavailableError
 from llama_index_crag.server.metrics import ServerMetrics
 from llama_index_crag.stores.chunking import clean_text
 
@@ -64,7 +60,6 @@ class ServerConfig:
 
     api_key: Optional[str] = None
     max_body_bytes: int = 64 * 1024
-    max_query_chars: int = 4000
     query_timeout_s: float = 120.0
     cors_origins: List[str] = field(default_factory=list)
     recent: int = 50
@@ -187,11 +182,11 @@ class QueryService:
             query = clean_text(query)
         if not isinstance(query, str) or not query.strip():
             raise ApiError(400, "empty_query", "the query is empty: send a question in the 'query' field")
-        if len(query) > self.config.max_query_chars:
+        # The engine's own limit (one value for both): checked here as well to refuse before taking a worker thread.
+        limit = self.engine.settings.max_query_chars
+        if len(query) > limit:
             raise ApiError(
-                400,
-                "query_too_long",
-                f"the query is {len(query):,} characters, over the limit of {self.config.max_query_chars:,}",
+                400, "query_too_long", f"the query is {len(query):,} characters, over the limit of {limit:,}"
             )
         return query
 

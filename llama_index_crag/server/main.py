@@ -35,7 +35,7 @@ class ServeOptions:
     disable_crag: bool = False
     cors_origins: List[str] = field(default_factory=list)
     max_body_bytes: int = 64 * 1024
-    max_query_chars: int = 4000
+    max_query_chars: Optional[int] = None  # None: the engine's (CRAG_MAX_QUERY_CHARS, else its default)
     query_timeout_s: float = 120.0
     rate_window_s: float = 300.0
     log_level: str = "info"
@@ -81,21 +81,20 @@ def build_app(options: ServeOptions) -> Any:
     from llama_index_crag.stores.folder import load_engine, load_index
 
     llm, generator = build_llm(options)  # None: the engine quotes the passages instead of generating
-    enabled = False if options.disable_crag else None
+    settings = {"enabled": False if options.disable_crag else None, "max_query_chars": options.max_query_chars}
     if options.store:
         from llama_index_crag.stores.postgres import PostgresStore, engine_from_store
 
         store = PostgresStore(options.store, table=options.table)
-        engine = engine_from_store(store, llm, enabled=enabled)
+        engine = engine_from_store(store, llm, **settings)
         described = store.describe()
     else:
         loaded = load_index(options.index)
-        engine = load_engine(loaded, llm, enabled=enabled)
+        engine = load_engine(loaded, llm, **settings)
         described = loaded.describe()
     config = ServerConfig(
         api_key=os.environ.get("CRAG_API_KEY") or None,
         max_body_bytes=options.max_body_bytes,
-        max_query_chars=options.max_query_chars,
         query_timeout_s=options.query_timeout_s,
         cors_origins=list(options.cors_origins),
         rate_window_s=options.rate_window_s,
