@@ -30,7 +30,7 @@ import pytest
 from .doc_blocks import DOC_FILES, NEEDS, REPO, Block, blocks, problems, runnable_blocks, shell_script, skip_reason
 
 BLOCKS = runnable_blocks()
-PYTHON_TIMEOUT_S = 600
+PYTHON_TIMEOUT_S = 1800
 SHELL_TIMEOUT_S = 6 * 3600
 SAMPLE = REPO / "llama_index_crag" / "data"
 WEB_QUESTION = "Who wrote the novel Moby-Dick?"  # graded INCORRECT over the sample corpus: the fallback runs
@@ -545,8 +545,8 @@ def _hub_model(block: Block, ctx: Contexts) -> Dict[str, str]:
 
 def _param(block: Block) -> Any:
     marks: List[Any] = []
-    if block.slow:
-        marks.append(pytest.mark.slow)
+    if block.slow:  # a training run or a fresh install: far past the suite's five minutes
+        marks += [pytest.mark.slow, pytest.mark.timeout(SHELL_TIMEOUT_S)]
     reason = skip_reason(block)
     if reason:
         marks.append(pytest.mark.skip(reason=f"{block.where}: {reason}"))
@@ -587,3 +587,59 @@ def test_doc_example(block: Block, contexts: Contexts) -> None:
             f"{block.where}: the LLM never called the Ollama server; it printed:\n{output}"
         )
     print(f"{block.where}: {time.monotonic() - started:.1f} s")
+
+
+def _doc(tmp_path: Path, text: str) -> Block:
+    path = tmp_path / "page.md"
+    path.write_text(text)
+    (block,) = blocks(path)
+    block.path = REPO / "docs" / "page.md"  # where it would live, for the messages
+    return block
+
+
+def test_limits_replace_or_add_flags_and_serve_runs_until_it_answers(tmp_path: Path) -> None:
+    block = _doc(
+        tmp_path,
+        '<!-- example: slow limit="eval --limit 3; bench_engine.py --queries 2" -->\n```bash\n'
+        "OMP_NUM_THREADS=1 llama-crag eval --dataset d --limit 300 \\\n    --out o   # note\n"
+        "python benchmarks/bench_engine.py\nllama-crag serve --index i\necho done\n```\n",
+    )
+    assert block.slow and block.line == 3
+    assert shell_script(block).splitlines() == [
+        "OMP_NUM_THREADS=1 llama-crag eval --dataset d --limit 3 --out o",
+        "",
+        "python benchmarks/bench_engine.py --queries 2",
+        "crag_serve llama-crag serve --index i",
+        "echo done",
+    ]
+    block.options["limit"] = "calibrate --limit 3"
+    with pytest.raises(ValueError, match="calibrate"):
+        shell_script(block)
+
+
+def test_a_console_block_runs_its_dollar_lines_only(tmp_path: Path) -> None:
+    block = _doc(tmp_path, "<!-- example: standalone -->\n```console\n$ echo one\none\n$ echo two\ntwo\n```\n")
+    assert shell_script(block).splitlines() == ["echo one", "", "echo two", ""]
+
+
+def test_a_block_without_a_marker_or_with_an_unknown_need_is_refused(tmp_path: Path) -> None:
+    assert problems(_doc(tmp_path, "```python\nprint(1)\n```\n"))
+    assert problems(_doc(tmp_path, "<!-- example: needs=gpu -->\n```python\nprint(1)\n```\n"))
+    assert problems(_doc(tmp_path, "<!-- example: skip -->\n```python\nprint(1)\n```\n"))
+    assert not problems(_doc(tmp_path, '<!-- example: skip reason="a paid key" -->\n```python\nprint(1)\n```\n'))
+
+
+def test_a_failing_python_block_is_reported_at_its_markdown_line(tmp_path: Path, contexts: Contexts) -> None:
+    block = _doc(tmp_path, "Text.\n\n<!-- example: standalone -->\n```python\nx = 1\ny = x / 0\n```\n")
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_block(block, contexts)
+    assert "docs/page.md:5: the example raised" in str(failed.value)
+    assert 'page.md", line 6' in str(failed.value) and "ZeroDivisionError" in str(failed.value)
+
+
+def test_a_failing_shell_block_is_reported_at_its_markdown_line(tmp_path: Path, contexts: Contexts) -> None:
+    block = _doc(tmp_path, "<!-- example: standalone -->\n```bash\ntrue\nllama-crag no-such-command\necho after\n```\n")
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_block(block, contexts)
+    assert "docs/page.md:4 failed: llama-crag no-such-command" in str(failed.value)
+    assert "after" not in str(failed.value).split("--- stdout")[1].split("--- stderr")[0]
