@@ -390,6 +390,11 @@ class Contexts:
         key = block.path.stem
         if key not in self.folders:
             self.folders[key] = _copy_checkout(self.root / f"shell-{key}")
+            # One embedding cache for every folder (keyed by content and model, as the commands key it): SciFact
+            # is embedded once a run, or once ever with CRAG_DOCS_CACHE=DIR.
+            cache = Path(os.environ.get("CRAG_DOCS_CACHE") or self.root / "crag-cache")
+            cache.mkdir(parents=True, exist_ok=True)
+            (self.folders[key] / ".crag-cache").symlink_to(cache)
         return self.folders[key]
 
     def close(self) -> None:
