@@ -312,7 +312,6 @@ class Contexts:
         self.folders: Dict[str, Path] = {}
         self.hf_home = root / "hf"
         self.done: set = set()
-        self._stack: List[Any] = []
 
     # Servers.
     def start_ollama(self) -> Any:
@@ -474,7 +473,10 @@ def _run_shell(block: Block, ctx: Contexts, env: Dict[str, str]) -> str:
     if not tools.exists():
         tools.mkdir()
         (tools / "llama-crag").write_text(_SHIM)
-        (tools / "llama-crag").chmod(0o755)
+        # A command, not a shell function, so that bash's ERR trap names the Markdown line it failed on.
+        (tools / "crag_serve").write_text(f'#!/bin/sh\nexec python "{REPO / "tests" / "docs_serve.py"}" "$@"\n')
+        for tool in tools.iterdir():
+            tool.chmod(0o755)
     path = [str(tools), str(Path(sys.executable).parent), os.environ.get("PATH", "")]
     full_env = {**os.environ, "PYTHONPATH": str(folder), **env}
     if "fresh-venv" in block.needs:
@@ -487,11 +489,7 @@ def _run_shell(block: Block, ctx: Contexts, env: Dict[str, str]) -> str:
         full_env["VIRTUAL_ENV"] = str(venv)
         full_env["PIP_FIND_LINKS"] = " ".join(filter(None, [os.environ.get("PIP_FIND_LINKS"), str(ctx.wheelhouse())]))
     full_env["PATH"] = os.pathsep.join(path)
-    full_env["CRAG_DOCS_SERVE"] = str(REPO / "tests" / "docs_serve.py")
-    preamble = (
-        f"set -eo pipefail; trap 'echo \"{block.path.relative_to(REPO)}:$LINENO failed: $BASH_COMMAND\" >&2' ERR; "
-        'crag_serve() { python "$CRAG_DOCS_SERVE" "$@"; }'
-    )
+    preamble = f"set -eo pipefail; trap 'echo \"{block.path.relative_to(REPO)}:$LINENO failed: $BASH_COMMAND\" >&2' ERR"
     script = folder.parent / f"block-{block.path.stem}-{block.line}.sh"
     script.write_text(preamble + "\n" * (block.line - 1) + shell_script(block))
     try:
