@@ -16,10 +16,10 @@ from llama_index.core.response_synthesizers.no_text import NoText
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
 from llama_index_crag.server.app import ServerConfig, create_app
-from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
 from llama_index_crag.stores.folder import IndexFolderError, ingest, load_engine, load_index
 from tests.conftest import ScriptedLLM, write_hostile_documents
 from tests.live_server import LiveServer
+from tests.loadtest import ServerProcess, free_port, run_load
 from tests.ollama_server import OllamaServer
 
 ANSWERED = "Who is the CEO of Harbor Analytics?"
