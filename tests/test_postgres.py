@@ -438,7 +438,8 @@ def test_an_unreachable_store_is_a_clear_error_and_the_store_recovers_when_it_is
     import httpx
 
     from llama_index_crag import RetrievalUnavailableError
-    from llama_index_crag.server.app import ServerConfig, create_app
+    from llama_index_crag.server.app import create_app
+    from llama_index_crag.server.service import ServerConfig
     from llama_index_crag.stores.postgres import StoreUnavailableError
     from tests.live_server import LiveServer
     from tests.pg_server import LocalPostgres

@@ -10,12 +10,14 @@ from typing import Any, Dict, Iterator, List
 import httpx
 import pytest
 from llama_index.core import VectorStoreIndex
+from llama_index.core.base.llms.types import CompletionResponse
 from llama_index.core.llms import MockLLM
 from llama_index.core.response_synthesizers.no_text import NoText
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
-from llama_index_crag.server.app import ServerConfig, create_app
+from llama_index_crag.server.app import create_app
+from llama_index_crag.server.service import ServerConfig
 from llama_index_crag.stores.folder import IndexFolderError, ingest, load_engine, load_index
 from tests.conftest import ScriptedLLM, write_hostile_documents
 from tests.live_server import LiveServer
@@ -272,6 +274,57 @@ def test_api_key_guards_every_route_but_healthz(loaded: Any) -> None:
         assert httpx.get(live.url + "/metrics", headers={"X-API-Key": "s3cret"}).status_code == 200
 
 
+class AsyncOnly(ScriptedLLM):
+    """Answers only through LlamaIndex's async LLM calls: a sync call fails the query."""
+
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        raise AssertionError("the server called the generator's sync path")
+
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        raise AssertionError("the server called the generator's sync path")
+
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        return CompletionResponse(text=self._text(prompt))
+
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        words = self._text(prompt).split(" ")
+
+        async def gen() -> Any:
+            for word in words:
+                yield CompletionResponse(text=word, delta=word + " ")
+
+        return gen()
+
+
+def test_queries_run_on_the_engines_async_path(loaded: Any) -> None:
+    engine = load_engine(loaded, AsyncOnly())
+    with LiveServer(create_app(engine)) as live:
+        answered = _post(live, "/query", json={"query": ANSWERED})
+        assert answered.status_code == 200 and answered.json()["answer"].startswith("ANSWER:")
+        with httpx.stream("POST", live.url + "/query", json={"query": ANSWERED, "stream": True}, timeout=60) as reply:
+            text = "".join(reply.iter_text())
+        assert reply.status_code == 200 and "event: token" in text and "event: result" in text
+        chat = _post(live, "/v1/chat/completions", json={"messages": [{"role": "user", "content": ANSWERED}]})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"].startswith("ANSWER:")
+
+
+def test_the_schema_declares_the_json_answers_and_sits_behind_the_key(loaded: Any) -> None:
+    engine = load_engine(loaded, ScriptedLLM())
+    with LiveServer(create_app(engine, ServerConfig(api_key="s3cret"))) as live:
+        assert httpx.get(live.url + "/openapi.json").status_code == 401
+        schema = httpx.get(live.url + "/openapi.json", headers={"X-API-Key": "s3cret"}).json()
+    answers = {
+        path: schema["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+        for path, method in (("/query", "post"), ("/v1/chat/completions", "post"), ("/healthz", "get"))
+    }
+    assert answers == {
+        "/query": "#/components/schemas/QueryResult",
+        "/v1/chat/completions": "#/components/schemas/ChatCompletion",
+        "/healthz": "#/components/schemas/Health",
+    }
+    assert {"HTTPBearer", "APIKeyHeader"} <= set(schema["components"]["securitySchemes"])
+
+
 def test_cors_is_off_unless_configured(server: LiveServer, loaded: Any) -> None:
     origin = {"Origin": "http://elsewhere.example"}
     assert "access-control-allow-origin" not in httpx.get(server.url + "/healthz", headers=origin).headers
@@ -284,8 +337,8 @@ def test_cors_is_off_unless_configured(server: LiveServer, loaded: Any) -> None:
 def test_a_dead_generator_gives_503_naming_it_and_the_server_stays_up(loaded: Any) -> None:
     from llama_index.llms.ollama import Ollama
 
-    from llama_index_crag.server.app import Generator
     from llama_index_crag.server.main import ServeOptions, build_llm
+    from llama_index_crag.server.service import Generator
 
     dead = f"http://127.0.0.1:{free_port()}"
     llm, generator = build_llm(ServeOptions(index="", llm="ollama", model="qwen2.5:3b", ollama_url=dead))
