@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
@@ -389,3 +391,57 @@ def test_several_workers_under_concurrent_load_answer_without_errors_or_cross_ta
     assert not any(o.cross_talk for o in result.outcomes)
     assert {o.action for o in result.outcomes} >= {"correct", "incorrect"}
     assert counted == 200  # each query counted once, across both workers
+
+
+# --- the [server] extra ------------------------------------------------------------------------------------------
+
+#: Python run in a child process where importing ``{blocked}`` fails, as it does when the extra is not installed.
+WITHOUT = """
+import sys
+
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+sys.meta_path.insert(0, Missing())
+"""
+
+
+def _without(blocked: str, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT.format(blocked=blocked) + code], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("blocked", ["fastapi", "prometheus_client"])
+def test_serve_without_the_server_extra_names_the_install_command_and_exits_non_zero(blocked: str) -> None:
+    ran = _without(blocked, "from llama_index_crag.cli import main\nsys.exit(main(['serve', '--index', 'my-index']))")
+    assert ran.returncode != 0
+    assert "pip install 'llama-index-crag[server]'" in ran.stderr and blocked in ran.stderr
+    assert "Traceback" not in ran.stderr
+
+
+def test_the_app_without_fastapi_is_an_import_error_naming_the_extra() -> None:
+    ran = _without("fastapi", "from llama_index_crag.server.app import create_app")
+    assert (
+        ran.returncode != 0
+        and "ImportError: the query server needs FastAPI: pip install 'llama-index-crag[server]'" in ran.stderr
+    )
+
+
+def test_the_library_imports_and_answers_without_loading_the_server_or_prometheus() -> None:
+    code = (
+        "import sys\n"
+        "from llama_index.core.llms import MockLLM\n"
+        "from llama_index_crag import CorrectiveQueryEngine\n"
+        "from llama_index_crag.datasets import load_documents\n"
+        "nodes = load_documents()\n"
+        "engine = CorrectiveQueryEngine.from_defaults(nodes=nodes, llm=MockLLM(), fallback_sources=('bm25',))\n"
+        f"assert engine.query({ANSWERED!r}).metadata['crag']['action']\n"
+        "names = ('fastapi', 'starlette', 'uvicorn', 'sse_starlette', 'prometheus_client', 'llama_index_crag.server')\n"
+        "print(','.join(n for n in names if n in sys.modules))"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == ""
