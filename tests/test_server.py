@@ -327,6 +327,17 @@ def test_the_schema_declares_the_json_answers_and_sits_behind_the_key(loaded: An
     assert {"HTTPBearer", "APIKeyHeader"} <= set(schema["components"]["securitySchemes"])
 
 
+def test_the_console_and_its_files_load_without_the_key_under_a_strict_content_security_policy(loaded: Any) -> None:
+    engine = load_engine(loaded, ScriptedLLM())
+    with LiveServer(create_app(engine, ServerConfig(api_key="s3cret"))) as live:
+        for path in ("/", "/static/console.js", "/static/console.css"):
+            reply = httpx.get(live.url + path)
+            assert reply.status_code == 200, path
+            assert "script-src 'self'" in reply.headers["content-security-policy"], path
+            assert reply.headers["x-content-type-options"] == "nosniff"
+        assert "<form" in httpx.get(live.url + "/").text
+
+
 def test_cors_is_off_unless_configured(server: LiveServer, loaded: Any) -> None:
     origin = {"Origin": "http://elsewhere.example"}
     assert "access-control-allow-origin" not in httpx.get(server.url + "/healthz", headers=origin).headers
