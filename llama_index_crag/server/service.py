@@ -8,9 +8,9 @@ import uuid
 from collections import OrderedDict, deque
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Annotated, Any, AsyncGenerator, AsyncIterator, Callable, Deque, Dict, List, Optional, Tuple
 
-from fastapi import Request
+from fastapi import Depends, Request
 from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingResponse, StreamingResponse
 from llama_index.core.schema import NodeWithScore
 from starlette.concurrency import iterate_in_threadpool
@@ -186,6 +186,10 @@ def query_service(request: Request) -> QueryService:
     """The app's service (``app.state.service``), for the routes to depend on."""
     service: QueryService = request.app.state.service
     return service
+
+
+#: A route's parameter that receives the app's service.
+Service = Annotated[QueryService, Depends(query_service)]
 
 
 def answer_text(response: RESPONSE_TYPE) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Dict
+from typing import Any, Dict
 
 import anyio
 from fastapi import APIRouter, Depends, Request, Response
@@ -20,7 +20,7 @@ from llama_index_crag.server.schemas import (
     QueryResult,
     RecentQueries,
 )
-from llama_index_crag.server.service import QueryService, query_service
+from llama_index_crag.server.service import Service
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 #: The console's page runs only what the server itself sends.
@@ -32,7 +32,6 @@ CONSOLE_HEADERS = {
     "X-Content-Type-Options": "nosniff",
 }
 
-Service = Annotated[QueryService, Depends(query_service)]
 #: Open to all: the health check, and the console's page (static HTML that holds no data and asks for the key).
 public = APIRouter()
 #: Behind the API key when the server has one.

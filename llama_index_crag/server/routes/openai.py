@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional
 
 from fastapi import APIRouter, Depends
 from sse_starlette import EventSourceResponse
@@ -24,7 +24,7 @@ from llama_index_crag.server.schemas import (
     ChatCompletion,
     ChatRequest,
 )
-from llama_index_crag.server.service import QueryService, answer_text, query_service
+from llama_index_crag.server.service import Service, answer_text
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -52,7 +52,7 @@ def chat_query(request: ChatRequest) -> str:
         200: {"content": {"text/event-stream": {}}, "description": "With stream: the chunks."},
     },
 )
-async def chat(body: ChatRequest, service: Annotated[QueryService, Depends(query_service)]) -> Any:
+async def chat(body: ChatRequest, service: Service) -> Any:
     """Answer the last user message as a chat completion, streamed or not."""
     text = service.check(chat_query(body))
     started = time.monotonic()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, AsyncIterator, Dict, List, Union
+from typing import Any, AsyncIterator, Dict, List, Union
 
 from fastapi import APIRouter, Depends
 from sse_starlette import EventSourceResponse
@@ -12,7 +12,7 @@ from sse_starlette import EventSourceResponse
 from llama_index_crag.server.auth import require_api_key
 from llama_index_crag.server.errors import ApiError
 from llama_index_crag.server.schemas import ERROR_RESPONSES, QueryRequest, QueryResult
-from llama_index_crag.server.service import QueryService, answer_text, query_service
+from llama_index_crag.server.service import Service, answer_text
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -25,7 +25,7 @@ STREAMED: Dict[Union[int, str], Dict[str, Any]] = {
 
 
 @router.post("/query", response_model=QueryResult, responses={**ERROR_RESPONSES, **STREAMED})
-async def query(body: QueryRequest, service: Annotated[QueryService, Depends(query_service)]) -> Any:
+async def query(body: QueryRequest, service: Service) -> Any:
     """Answer one question; with ``stream``, tokens first and the result last."""
     text = service.check(body.query)
     started = time.monotonic()
