@@ -385,6 +385,10 @@ def test_a_query_past_its_budget_is_cut_off_and_the_server_stays_up(loaded: Any)
             reply = _post(live, "/query", json={"query": ANSWERED})
             assert reply.status_code == 504 and reply.json()["error"]["code"] == "query_timeout"
             assert time.monotonic() - started < 10
+            started = time.monotonic()
+            streamed = _post(live, "/query", json={"query": ANSWERED, "stream": True})
+            assert streamed.status_code == 504 and streamed.json()["error"]["code"] == "query_timeout"
+            assert time.monotonic() - started < 10
             assert httpx.get(live.url + "/recent").status_code == 200
 
 
