@@ -26,7 +26,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR
-from llama_index_crag.server.app import ServerConfig, create_app
+from llama_index_crag.server.app import create_app
+from llama_index_crag.server.service import ServerConfig
 from llama_index_crag.stores.folder import ingest, load_engine, load_index
 from tests.conftest import Answering
 from tests.live_server import LiveServer

@@ -86,7 +86,11 @@ def test_off_topic_question_is_graded_incorrect_and_abstains(engine: CorrectiveQ
     assert llm.calls["answer"] == before["answer"]
 
 
-def test_actions_and_stage_times_reach_prometheus(engine: CorrectiveQueryEngine) -> None:
+def test_actions_and_stage_times_reach_prometheus_once_its_handler_is_installed(engine: CorrectiveQueryEngine) -> None:
+    from llama_index_crag.server.metrics import install_engine_metrics
+
+    assert install_engine_metrics() is install_engine_metrics()  # once per process: no query counted twice
+
     def count(action: str) -> float:
         return REGISTRY.get_sample_value("crag_actions_total", {"action": action, "abstained": "true"}) or 0.0
 

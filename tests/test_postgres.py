@@ -17,7 +17,6 @@ from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
 from llama_index_crag.local.embedding_cache import DiskCachedEmbedding
 from llama_index_crag.scorers.evidence import EvidenceScorer, terms
-from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
 from llama_index_crag.stores.chunking import chunk
 from llama_index_crag.stores.postgres import (
     PostgresFullTextRetriever,
@@ -29,6 +28,7 @@ from llama_index_crag.stores.postgres import (
     ingest,
 )
 from tests.conftest import ScriptedLLM, write_hostile_documents
+from tests.loadtest import ServerProcess, free_port, run_load
 from tests.pg_server import pg_url  # noqa: F401  (the session fixture)
 
 
@@ -438,7 +438,8 @@ def test_an_unreachable_store_is_a_clear_error_and_the_store_recovers_when_it_is
     import httpx
 
     from llama_index_crag import RetrievalUnavailableError
-    from llama_index_crag.server.app import ServerConfig, create_app
+    from llama_index_crag.server.app import create_app
+    from llama_index_crag.server.service import ServerConfig
     from llama_index_crag.stores.postgres import StoreUnavailableError
     from tests.live_server import LiveServer
     from tests.pg_server import LocalPostgres

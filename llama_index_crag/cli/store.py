@@ -102,6 +102,12 @@ def _ingest(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from llama_index_crag.server import require_extra
+
+    try:
+        require_extra()
+    except ImportError as exc:
+        raise SystemExit(f"llama-crag serve: {exc}") from None
     from llama_index_crag.server.main import ServeOptions, serve
 
     if bool(args.index) == bool(args.store):

@@ -256,7 +256,7 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
         response.metadata = {**(response.metadata or {}), "crag": trace.to_dict()}
         if trace.answered_by == "generate" and streaming and s.enabled and s.check_answers:
             check_when_streamed(response, self._stream_check(query_bundle, context, response))
-        dispatcher.event(trace.publish())
+        dispatcher.event(trace.action_event())
         return response
 
 

@@ -44,7 +44,7 @@ class ServeOptions:
 def build_llm(options: ServeOptions) -> Tuple[Any, Any]:
     """The generator the options name, and the ``Generator`` the health check probes."""
     from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL, default_llm, ollama_has_model
-    from llama_index_crag.server.app import Generator
+    from llama_index_crag.server.service import Generator
 
     url = options.ollama_url or DEFAULT_OLLAMA_URL
     if options.llm == "none":
@@ -77,7 +77,8 @@ def build_llm(options: ServeOptions) -> Tuple[Any, Any]:
 
 def build_app(options: ServeOptions) -> Any:
     """The FastAPI app over the index folder the options name."""
-    from llama_index_crag.server.app import ServerConfig, create_app
+    from llama_index_crag.server.app import create_app
+    from llama_index_crag.server.service import ServerConfig
     from llama_index_crag.stores.folder import load_engine, load_index
 
     llm, generator = build_llm(options)  # None: the engine quotes the passages instead of generating
