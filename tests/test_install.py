@@ -46,6 +46,7 @@ def _run(command: list, **kwargs: object) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.install
 @pytest.mark.timeout(3600)
 def test_a_bare_install_imports_and_answers_without_the_server_or_postgres_dependencies(tmp_path: Path) -> None:
     started = time.monotonic()
