@@ -13,11 +13,11 @@ PIP := $(PY) -m pip
 # from there (built once per machine, about 5 minutes on 2 cores).
 LLAMA_CPP_VERSION ?= 0.3.36
 # The flags live in one file that the package also reads, to tell a pip user what to set.
-LLAMA_CPP_CMAKE_ARGS ?= $(shell cat llama_index_crag/llama_cpp_cmake_args.txt)
+LLAMA_CPP_CMAKE_ARGS ?= $(shell cat llama_index_crag/local/llama_cpp_cmake_args.txt)
 LLAMA_CPP_KEY := $(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_CMAKE_ARGS)' | sha1sum | cut -c1-12)
 WHEELHOUSE ?= $(HOME)/.cache/llama-index-crag/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_CPP_KEY)
 
-.PHONY: setup local dev demo demo-generate test test-fast lint doctor portable-llama-cpp browser
+.PHONY: setup local dev demo demo-generate test test-fast test-install lint doctor portable-llama-cpp browser
 
 # Three environments, each on top of the one before: `setup` is what the demo needs (it quotes the
 # documents, so no generator and no llama.cpp build: a few minutes); `local` adds the bundled generator
@@ -72,8 +72,14 @@ browser:
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver; \
 	fi
 
+# The whole suite, slow real-model tests included; the fresh-virtualenv installs have their own target.
 test: dev browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not install"
+
+# pip install into new virtualenvs as a user would (the README's and docs' install lines, and a bare
+# `pip install .` without the [server] or [postgres] extras): tens of minutes, before a release.
+test-install: dev
+	$(PY) -m pytest -q -m install
 
 test-fast: dev browser
 	$(PY) -m pytest -q -m "not slow"

@@ -26,7 +26,7 @@ from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.answers.extract import Quote, QuotedAnswer
 from llama_index_crag.datasets import load_documents, load_questions
 from llama_index_crag.evaluation.dataset import contains_any
-from llama_index_crag.models import default_embed_model
+from llama_index_crag.local.models import default_embed_model
 
 
 def _run(engine: CorrectiveQueryEngine, questions: List[Any]) -> List[Dict[str, Any]]:
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write every row as JSON here")
     args = parser.parse_args()
-    from llama_index_crag.llamacpp import BundledLlamaCPP
+    from llama_index_crag.local.llamacpp import BundledLlamaCPP
 
     questions = load_questions()[: args.limit]
     index = VectorStoreIndex.from_documents(load_documents(), embed_model=default_embed_model())

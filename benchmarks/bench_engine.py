@@ -40,14 +40,14 @@ from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
 from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.evaluation.corpus import EvalCorpus
 from llama_index_crag.evaluation.dataset import load_eval_questions
 from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
 from llama_index_crag.evaluation.metrics import pipeline_ms
 from llama_index_crag.evaluation.systems import ScorerRerank
-from llama_index_crag.models import default_llm
+from llama_index_crag.local.models import default_llm
 from llama_index_crag.scorers import BiEncoderScorer, EvidenceScorer, UpstreamScoreScorer
-from llama_index_crag.settings import CragSettings
 
 PATHS = ("correct", "ambiguous", "incorrect")
 TOP_K = 5

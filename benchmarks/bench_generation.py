@@ -18,9 +18,9 @@ import time
 import llama_cpp
 from llama_cpp import Llama
 
-from llama_index_crag.bundled import bundled_gguf_path
-from llama_index_crag.llamacpp import chatml_completion_to_prompt
-from llama_index_crag.portable import llama_cpp_features
+from llama_index_crag.local.bundled import bundled_gguf_path
+from llama_index_crag.local.llamacpp import chatml_completion_to_prompt
+from llama_index_crag.local.portable import llama_cpp_features
 
 
 def main() -> None:

@@ -20,11 +20,11 @@ from typing import Any, Callable, Dict, List
 
 from llama_index.core import VectorStoreIndex
 
-import llama_index_crag.engine as engine_module
+import llama_index_crag.core.engine as engine_module
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import load_documents, load_questions
-from llama_index_crag.embedding_cache import corpus_cache
-from llama_index_crag.models import default_embed_model
+from llama_index_crag.local.embedding_cache import corpus_cache
+from llama_index_crag.local.models import default_embed_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import FixedLLM  # noqa: E402

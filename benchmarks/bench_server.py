@@ -6,7 +6,9 @@ the corpus, each made unique). ``--llm none`` (the default here) measures retrie
 and the corrective loop without generation, so that the comparison is the loop's own
 cost; ``--llm llamacpp`` adds the bundled generator, which then bounds throughput.
 
-    python benchmarks/bench_server.py --index INDEX_DIR [--workers 1,2] [--queries 300] [--clients 50]
+    PYTHONPATH=. python benchmarks/bench_server.py --index INDEX_DIR [--workers 1,2] [--queries 300] [--clients 50]
+
+(``PYTHONPATH=.``: the load test and the throwaway PostgreSQL live in ``tests/``.)
 
 ``--store postgresql://...`` serves a PostgreSQL store instead (``llama-crag ingest
 --store``); ``--store local`` starts a throwaway PostgreSQL with pgvector on a free
@@ -23,8 +25,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from llama_index_crag.datasets import SAMPLE_DIR, load_questions
-from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
-from llama_index_crag.server.store import ingest
+from llama_index_crag.stores.folder import ingest
+from tests.loadtest import ServerProcess, free_port, run_load
 
 
 def main() -> None:
@@ -82,7 +84,7 @@ def measure(args: argparse.Namespace, store: Optional[str]) -> List[Dict[str, An
     """Each configuration (worker count, CRAG on and off) in each round: one summary of ``run_load`` each."""
     if store is not None:
         if args.store == "local":
-            from llama_index_crag import postgres
+            from llama_index_crag.stores import postgres
 
             target = postgres.PostgresStore(store, table=args.table)
             print(postgres.ingest(args.docs, target).summary())

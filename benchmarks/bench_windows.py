@@ -27,12 +27,11 @@ from llama_index.core import VectorStoreIndex
 from llama_index.core.schema import QueryBundle
 
 from llama_index_crag.datasets import load_documents
-from llama_index_crag.dense import MatrixRetriever
-from llama_index_crag.embedding_cache import corpus_cache
-from llama_index_crag.evaluation.corpus import chunk
 from llama_index_crag.evaluation.dataset import load_eval_questions
-from llama_index_crag.models import default_embed_model
-from llama_index_crag.postgres import sentence_windows
+from llama_index_crag.local.embedding_cache import corpus_cache
+from llama_index_crag.local.models import default_embed_model
+from llama_index_crag.stores.chunking import chunk
+from llama_index_crag.stores.memory import MatrixRetriever, sentence_windows
 
 TOP_K = 10  # the fallback asks its sentence index for twice its top-5
 

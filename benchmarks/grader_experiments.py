@@ -71,7 +71,7 @@ def cross_encoder(args: argparse.Namespace) -> None:
     import torch
     from sentence_transformers import CrossEncoder
 
-    from llama_index_crag.bundled import bundled_embedding_path
+    from llama_index_crag.local.bundled import bundled_embedding_path
 
     labelled = labelled_batches(args.dataset, progress=False)
     test_mask = held_out_fold(labelled.batches)
@@ -127,7 +127,7 @@ def cross_encoder(args: argparse.Namespace) -> None:
 def query_likelihood(args: argparse.Namespace) -> None:
     from llama_cpp import Llama
 
-    from llama_index_crag.bundled import bundled_gguf_path
+    from llama_index_crag.local.bundled import bundled_gguf_path
 
     labelled = labelled_batches(args.dataset, progress=False)
     order = np.random.default_rng(0).permutation(len(labelled.batches))[: args.limit]

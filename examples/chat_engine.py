@@ -11,7 +11,7 @@ from llama_index.core.chat_engine import CondenseQuestionChatEngine
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import load_documents
-from llama_index_crag.models import default_embed_model, default_llm
+from llama_index_crag.local.models import default_embed_model, default_llm
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import load_documents, load_questions
-from llama_index_crag.models import default_embed_model, default_llm
+from llama_index_crag.local.models import default_embed_model, default_llm
 from llama_index_crag.scorers import UpstreamScoreScorer
 
 

@@ -13,7 +13,7 @@ from llama_index.core.base.response.schema import RESPONSE_TYPE
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import load_documents, load_questions
-from llama_index_crag.models import default_embed_model, default_llm
+from llama_index_crag.local.models import default_embed_model, default_llm
 
 
 def show(question: str, response: RESPONSE_TYPE) -> None:

@@ -1,33 +1,53 @@
-"""Corrective RAG for LlamaIndex: grade retrieval, then refine, fall back, rewrite or abstain."""
+"""Corrective RAG for LlamaIndex: grade retrieval, then refine, fall back, rewrite or abstain.
 
-from llama_index_crag.answers.extract import EvidenceQuoter
-from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
-from llama_index_crag.engine import (
-    CorrectiveQueryEngine,
-    GenerationError,
-    InvalidQueryError,
-    RetrievalUnavailableError,
-)
-from llama_index_crag.fallback import FallbackRetriever
-from llama_index_crag.grader import Grading, RelevanceGrader, Verdict
-from llama_index_crag.refiner import StripRefiner
-from llama_index_crag.rewrite import QueryRewriter, RewriteError, RewrittenQuery
-from llama_index_crag.settings import CragSettings, WebSearchSettings
-from llama_index_crag.web import WebSearchRetriever
+The names below are loaded on first use, so that importing a submodule (the CLI, the
+errors, a store) does not load the engine, its models and torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Dict
+
+#: Each public name and the module that defines it.
+_EXPORTS: Dict[str, str] = {
+    "AnswerCheck": "llama_index_crag.answers.grounding",
+    "CorrectiveQueryEngine": "llama_index_crag.core.engine",
+    "CorrectiveTimeout": "llama_index_crag.errors",
+    "CragError": "llama_index_crag.errors",
+    "CragSettings": "llama_index_crag.core.settings",
+    "EvidenceQuoter": "llama_index_crag.answers.extract",
+    "FallbackRetriever": "llama_index_crag.core.fallback",
+    "GenerationError": "llama_index_crag.errors",
+    "Grading": "llama_index_crag.core.grader",
+    "GroundednessChecker": "llama_index_crag.answers.grounding",
+    "InvalidQueryError": "llama_index_crag.errors",
+    "QueryRewriter": "llama_index_crag.core.rewrite",
+    "RelevanceGrader": "llama_index_crag.core.grader",
+    "RetrievalUnavailableError": "llama_index_crag.errors",
+    "RewriteError": "llama_index_crag.errors",
+    "RewrittenQuery": "llama_index_crag.core.rewrite",
+    "StripRefiner": "llama_index_crag.core.refiner",
+    "Verdict": "llama_index_crag.core.grader",
+    "WebSearchRetriever": "llama_index_crag.web.retriever",
+    "WebSearchSettings": "llama_index_crag.core.settings",
+}
 
 __all__ = [
     "AnswerCheck",
     "CorrectiveQueryEngine",
+    "CorrectiveTimeout",
+    "CragError",
     "CragSettings",
     "EvidenceQuoter",
     "FallbackRetriever",
     "GenerationError",
-    "RetrievalUnavailableError",
     "Grading",
     "GroundednessChecker",
     "InvalidQueryError",
     "QueryRewriter",
     "RelevanceGrader",
+    "RetrievalUnavailableError",
     "RewriteError",
     "RewrittenQuery",
     "StripRefiner",
@@ -35,3 +55,36 @@ __all__ = [
     "WebSearchRetriever",
     "WebSearchSettings",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llama_index_crag' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from llama_index_crag.answers.extract import EvidenceQuoter
+    from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
+    from llama_index_crag.core.engine import CorrectiveQueryEngine
+    from llama_index_crag.core.fallback import FallbackRetriever
+    from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
+    from llama_index_crag.core.refiner import StripRefiner
+    from llama_index_crag.core.rewrite import QueryRewriter, RewrittenQuery
+    from llama_index_crag.core.settings import CragSettings, WebSearchSettings
+    from llama_index_crag.errors import (
+        CorrectiveTimeout,
+        CragError,
+        GenerationError,
+        InvalidQueryError,
+        RetrievalUnavailableError,
+        RewriteError,
+    )
+    from llama_index_crag.web.retriever import WebSearchRetriever

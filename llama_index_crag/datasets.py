@@ -11,6 +11,9 @@ from typing import Dict, Iterator, List, Optional
 
 from llama_index.core.schema import Document
 
+from llama_index_crag.errors import DatasetError
+from llama_index_crag.stores.chunking import clean_text
+
 SAMPLE_DIR = Path(__file__).parent / "data"
 
 
@@ -37,7 +40,7 @@ def read_jsonl(path: Path) -> Iterator[dict]:
                 try:
                     yield json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{number} is not valid JSON: {exc}") from exc
+                    raise DatasetError(f"{path}:{number} is not valid JSON: {exc}") from exc
 
 
 def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
@@ -73,22 +76,6 @@ def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
         )
         for row in read_jsonl(Path(folder) / "questions.jsonl")
     ]
-
-
-_UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|[\ud800-\udfff]")
-
-
-def clean_text(text: str) -> str:
-    """``text`` as every store, tokenizer and codec here accepts it.
-
-    Control characters other than tab and line breaks (NUL among them, which PostgreSQL
-    refuses in text) become spaces, so that the words on either side stay apart; lone
-    UTF-16 surrogates (which JSON's ``\\ud800`` escapes produce and UTF-8 cannot encode)
-    become U+FFFD.
-    """
-    if text.isascii() and text.isprintable():
-        return text
-    return _UNSAFE.sub(lambda m: "\ufffd" if "\ud800" <= m.group() <= "\udfff" else " ", text)
 
 
 def normalise_text(text: str) -> str:

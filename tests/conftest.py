@@ -18,7 +18,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever
 from llama_index_crag.datasets import load_documents
-from llama_index_crag.models import default_embed_model
+from llama_index_crag.local.models import default_embed_model
 from llama_index_crag.scorers.base import RelevanceScorer
 
 REWRITE_MARKER = "You rewrite search queries"

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import uvicorn
 
-from llama_index_crag.server.loadtest import free_port
+from tests.loadtest import free_port
 
 
 class LiveServer:

@@ -20,8 +20,8 @@ import llama_cpp
 from llama_cpp import Llama
 from llama_cpp.llama_grammar import LlamaGrammar
 
-from llama_index_crag.bundled import bundled_gguf_path
-from llama_index_crag.llamacpp import json_grammar
+from llama_index_crag.local.bundled import bundled_gguf_path
+from llama_index_crag.local.llamacpp import json_grammar
 
 Mode = Literal["normal", "hang", "garbage", "error500"]
 
@@ -152,6 +152,8 @@ class OllamaServer:
         seed: The sampling seed used when a request gives none.
         n_threads: CPU threads for llama.cpp. One by default: on a small, busy machine more
             threads make llama.cpp spin on its barriers and run many times slower.
+        port: The loopback port to bind; 0 (the default) lets the OS choose a free one. The docs'
+            examples use Ollama's own 11434, where a client with no ``base_url`` looks.
         mode: How ``/api/chat`` and ``/api/generate`` behave: ``"normal"``; ``"hang"``
             (accept the request, never answer until the server stops); ``"garbage"``
             (HTTP 200 with a body that is not JSON); ``"error500"`` (HTTP 500). It may be
@@ -169,8 +171,10 @@ class OllamaServer:
         seed: int = 0,
         mode: Mode = "normal",
         n_threads: int = 1,
+        port: int = 0,
     ) -> None:
         self.model_name = model_name
+        self.port = port
         self.gguf_path = Path(gguf_path) if gguf_path is not None else bundled_gguf_path()
         self.n_ctx = n_ctx
         self.seed = seed
@@ -195,11 +199,11 @@ class OllamaServer:
         return f"http://{host!s}:{port}"
 
     def start(self) -> OllamaServer:
-        """Bind to an OS-chosen loopback port and serve in a daemon thread."""
+        """Bind to ``port`` on loopback (an OS-chosen one when 0) and serve in a daemon thread."""
         if self._httpd is not None:
             raise RuntimeError("the server is already running")
         self._stopping.clear()
-        self._httpd = _HTTPServer(("127.0.0.1", 0), _Handler, self)
+        self._httpd = _HTTPServer(("127.0.0.1", self.port), _Handler, self)
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": 0.05},

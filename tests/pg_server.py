@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import pytest
 
-from llama_index_crag.server.loadtest import free_port
+from tests.loadtest import free_port
 
 _UNPRIVILEGED = "nobody"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +13,9 @@ from llama_index.core.schema import TextNode
 from llama_index.llms.ollama import Ollama
 
 from llama_index_crag import CorrectiveQueryEngine, GenerationError, InvalidQueryError
-from llama_index_crag.datasets import clean_text
+from llama_index_crag.cli import main
+from llama_index_crag.errors import ConfigError
+from llama_index_crag.stores.chunking import clean_text
 
 from .conftest import ALPHA, FixedRetriever, ScriptedLLM
 
@@ -182,3 +185,42 @@ def test_unknown_settings_are_refused_by_name(sample_index: VectorStoreIndex) ->
 def test_an_engine_without_anything_to_search_says_so() -> None:
     with pytest.raises(ValueError, match="index=, retriever= or nodes="):
         CorrectiveQueryEngine.from_defaults(llm=ScriptedLLM())
+
+
+def test_a_bad_environment_variable_stops_the_engine_naming_it(
+    sample_index: VectorStoreIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRAG_MAX_REWRITES", "two")
+    with pytest.raises(ConfigError, match="CRAG_MAX_REWRITES='two' is invalid"):
+        CorrectiveQueryEngine.from_defaults(index=sample_index, llm=ScriptedLLM())
+
+
+# --- the command line -------------------------------------------------------------------------------------------
+
+
+def test_the_cli_prints_a_missing_dataset_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["snippets", "--dataset", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"llama-crag: {tmp_path / 'nowhere' / 'corpus.jsonl'} does not exist: "
+        "a dataset folder holds corpus.jsonl and questions.jsonl"
+    ]
+
+
+def test_the_cli_names_the_bad_line_of_a_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "corpus.jsonl").write_text('{"doc_id": "a", "text": "fine"}\n{"doc_id": "b", "text": \n')
+    assert main(["snippets", "--dataset", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"llama-crag: {tmp_path / 'corpus.jsonl'}:2 is not valid JSON")
+
+
+def test_the_cli_says_which_option_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve"]) == 2
+    assert capsys.readouterr().err == "llama-crag: serve needs either --index INDEX_DIR or --store postgresql://...\n"
+
+
+def test_the_cli_leaves_a_bug_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any) -> Any:
+        raise ValueError("not a user's mistake")
+
+    monkeypatch.setattr("llama_index_crag.evaluation.snippets.snippet_set", broken)
+    with pytest.raises(ValueError, match="not a user's mistake"):
+        main(["snippets", "--dataset", str(tmp_path), "--out", str(tmp_path / "out")])

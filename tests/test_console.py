@@ -26,8 +26,9 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR
-from llama_index_crag.server.app import ServerConfig, create_app
-from llama_index_crag.server.store import ingest, load_engine, load_index
+from llama_index_crag.server.app import create_app
+from llama_index_crag.server.service import ServerConfig
+from llama_index_crag.stores.folder import ingest, load_engine, load_index
 from tests.conftest import Answering
 from tests.live_server import LiveServer
 
@@ -70,7 +71,7 @@ def _required(name: str) -> str:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The sample corpus plus one document of markup, ingested once, with the bundled generator."""
-    from llama_index_crag.llamacpp import BundledLlamaCPP
+    from llama_index_crag.local.llamacpp import BundledLlamaCPP
 
     docs = tmp_path_factory.mktemp("docs")
     rows = (SAMPLE_DIR / "corpus.jsonl").read_text().splitlines()
@@ -365,7 +366,9 @@ def test_a_guarded_server_asks_for_the_key_then_answers(browser: WebDriver, engi
 
 
 def test_a_refused_query_shows_the_servers_error(browser: WebDriver, engine: Any) -> None:
-    with LiveServer(create_app(engine, ServerConfig(max_query_chars=20))) as strict:
+    strict_engine = engine.variant()
+    strict_engine.settings = engine.settings.model_copy(update={"max_query_chars": 20})
+    with LiveServer(create_app(strict_engine, ServerConfig())) as strict:
         open_console(browser, strict.url)
         browser.find_element(By.ID, "query-input").send_keys(CORRECT)
         browser.find_element(By.ID, "ask").click()

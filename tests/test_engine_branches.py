@@ -8,6 +8,7 @@ from typing import Any, List
 import pytest
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from llama_index_crag import FallbackRetriever
@@ -129,6 +130,25 @@ def test_incorrect_branch_rewrites_once_and_answers_from_the_fallback(scripted_l
     assert response.source_nodes[0].node.node_id == "alpha"
     assert response.source_nodes[0].node.metadata["crag_source"] == "bm25"
     assert scripted_llm.calls == {"answer": 1, "rewrite": 1}
+
+
+def test_the_rewrite_and_quoting_prompts_are_prompt_modules_of_the_engine(scripted_llm: ScriptedLLM) -> None:
+    scorer = MarkerScorer({"budget of the alpha project": 0.9})
+    engine = make_engine(scorer, scripted_llm, primary=[BETA])
+    prompts = engine.get_prompts()
+    assert {"rewrite:rewrite_prompt", "quoting:text_qa_template", "quoting:refine_template"} <= set(prompts)
+    assert "response_synthesizer:text_qa_template" in prompts
+    scripted_llm.rewrite = lambda prompt: (
+        '{"query": "budget of the alpha project"}' if "Reword for search" in prompt else '{"query": "nothing"}'
+    )
+    engine.update_prompts(
+        {"rewrite:rewrite_prompt": PromptTemplate("You rewrite search queries. Reword for search: {query}")}
+    )
+    trace = crag(engine.query("How much money does project A get?"))
+    assert trace["rewrite_source"] == "llm" and trace["rewritten_query"] == "budget of the alpha project"
+    engine.update_prompts({"quoting:text_qa_template": PromptTemplate("MINE {context_str} / {query_str}")})
+    quoting = engine._quoting_synthesizer().get_prompts()["text_qa_template"]
+    assert quoting.get_template().startswith("MINE"), "the web-source synthesizer uses the updated template"
 
 
 def _assert_abstained(response: Any, reason: str, llm: ScriptedLLM) -> None:

@@ -14,14 +14,15 @@ from llama_index.core.schema import QueryBundle
 
 from llama_index_crag import FallbackRetriever
 from llama_index_crag.cli import main
-from llama_index_crag.evaluation import EvalConfig, run_evaluation
 from llama_index_crag.evaluation.corpus import EvalCorpus
 from llama_index_crag.evaluation.dataset import load_eval_questions
 from llama_index_crag.evaluation.generator import SKIPPED_ANSWER, MeteredLLM
+from llama_index_crag.evaluation.harness import EvalConfig, run_evaluation
 from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
 from llama_index_crag.evaluation.metrics import ANSWERABLE, OUT_OF_CORPUS, UNANSWERABLE, summarize, truthfulness
 from llama_index_crag.evaluation.report import PLOTS
-from llama_index_crag.evaluation.systems import SCORERS, SYSTEMS
+from llama_index_crag.evaluation.systems import SYSTEMS
+from llama_index_crag.scorers.registry import from_spec
 
 from .conftest import ALPHA, BETA, CORPUS, FixedRetriever, ScriptedLLM
 
@@ -95,7 +96,7 @@ def evaluated(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Tuple[
     folder = tmp_path_factory.mktemp("eval")
     argv = ["eval", "--dataset", str(dataset), "--out", str(folder / "out"), "--cache-dir", str(folder / "cache")]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("llama_index_crag.models.default_llm", lambda *args: (JudgingLLM(), "scripted"))
+        patch.setattr("llama_index_crag.local.models.default_llm", lambda *args: (JudgingLLM(), "scripted"))
         assert main([*argv, "--no-progress"]) == 0
     return argv, folder / "out"
 
@@ -130,7 +131,7 @@ def test_the_same_command_again_reuses_the_saved_rows_and_asks_nothing(
     argv, out = evaluated
     before = json.loads((out / "results.json").read_text())["rows"]
     again = JudgingLLM()
-    monkeypatch.setattr("llama_index_crag.models.default_llm", lambda *args: (again, "scripted"))
+    monkeypatch.setattr("llama_index_crag.local.models.default_llm", lambda *args: (again, "scripted"))
     assert main([*argv, "--no-progress"]) == 0
     assert json.loads((out / "results.json").read_text())["rows"] == before
     assert again.calls == {"answer": 0, "rewrite": 0}
@@ -277,7 +278,7 @@ def test_false_abstention_counts_only_questions_plain_rag_had_in_context() -> No
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_eval_with_the_bundled_generator_measures_answer_accuracy(dataset: Path, tmp_path: Path) -> None:
-    from llama_index_crag.llamacpp import BundledLlamaCPP
+    from llama_index_crag.local.llamacpp import BundledLlamaCPP
 
     config = EvalConfig(dataset=dataset, out=tmp_path / "out", limit=1, cache_dir=tmp_path, progress=False)
     results = run_evaluation(config, BundledLlamaCPP())
@@ -287,10 +288,10 @@ def test_eval_with_the_bundled_generator_measures_answer_accuracy(dataset: Path,
     assert 4 <= results["figures"]["llm-judge"]["judge_calls"] <= 5, "one call per chunk, one fewer if gold is hidden"
 
 
-# The reader needs a trained grader directory: tests/test_reader.py trains one and checks its entry.
-@pytest.mark.parametrize("name", sorted(set(SCORERS) - {"reader"}))
-def test_every_registered_scorer_builds_from_the_corpus_and_scores_in_unit_range(name: str) -> None:
-    scorer = SCORERS[name](list(DOCS.values()))
+# The readers (packaged, reader:DIR) are checked in tests/test_packaged_grader.py and tests/test_reader.py.
+@pytest.mark.parametrize("name", ["default", "evidence", "bi-encoder"])
+def test_every_offline_scorer_spec_builds_from_the_corpus_and_scores_in_unit_range(name: str) -> None:
+    scorer = from_spec(name, corpus=list(DOCS.values()))
     scores = scorer.score_texts("In which city is the gamma office?", [DOCS["gamma"], DOCS["beta"]])
     assert all(0.0 <= s <= 1.0 for s in scores) and scores[0] > scores[1]
 

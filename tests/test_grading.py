@@ -269,7 +269,7 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
         == 0
     )
     report = json.loads((tmp_path / "r" / "grade-report.json").read_text())
-    from llama_index_crag.engine import default_scorer
+    from llama_index_crag.scorers.registry import default_scorer
 
     # The first row is the engine's default scorer, whatever --scorers names; no scorer is measured twice.
     assert report["results"][0]["default"] and report["results"][0]["scorer"] == default_scorer().name
@@ -317,7 +317,7 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
 
 
 def test_the_accuracy_ceiling_is_the_best_single_threshold() -> None:
-    from llama_index_crag.calibration.report import accuracy_ceiling
+    from llama_index_crag.calibration.report_figures import accuracy_ceiling
 
     scores = np.asarray([0.9, 0.8, 0.7, 0.7, 0.4, 0.2])
     answerable = np.asarray([True, False, True, False, True, False])

@@ -86,7 +86,11 @@ def test_off_topic_question_is_graded_incorrect_and_abstains(engine: CorrectiveQ
     assert llm.calls["answer"] == before["answer"]
 
 
-def test_actions_and_stage_times_reach_prometheus(engine: CorrectiveQueryEngine) -> None:
+def test_actions_and_stage_times_reach_prometheus_once_its_handler_is_installed(engine: CorrectiveQueryEngine) -> None:
+    from llama_index_crag.server.metrics import install_engine_metrics
+
+    assert install_engine_metrics() is install_engine_metrics()  # once per process: no query counted twice
+
     def count(action: str) -> float:
         return REGISTRY.get_sample_value("crag_actions_total", {"action": action, "abstained": "true"}) or 0.0
 
@@ -199,7 +203,7 @@ def test_engine_is_a_query_engine_tool(engine: CorrectiveQueryEngine) -> None:
 
 def test_grading_reuses_the_embeddings_the_index_already_holds(monkeypatch: Any) -> None:
     from llama_index_crag.datasets import load_documents
-    from llama_index_crag.models import default_embed_model
+    from llama_index_crag.local.models import default_embed_model
 
     embed = default_embed_model()
     index = VectorStoreIndex(load_documents(), embed_model=embed)

@@ -15,9 +15,10 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag import FallbackRetriever, RelevanceGrader, StripRefiner, Verdict
-from llama_index_crag.refiner import decompose
+from llama_index_crag.core.refiner import decompose
+from llama_index_crag.core.settings import CragSettings, WebSearchSettings
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers import BiEncoderScorer, UpstreamScoreScorer
-from llama_index_crag.settings import CragSettings
 
 from .conftest import ALPHA, BETA, CORPUS, GAMMA, MarkerScorer, ScriptedLLM
 
@@ -183,18 +184,97 @@ def test_calibration_for_another_scorer_is_refused(tmp_path: Path) -> None:
         CragSettings.resolve(calibration_path=calibration, scorer_name="mine", environ={})
 
 
+def test_scorer_defaults_sit_below_the_calibration_file(tmp_path: Path) -> None:
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"version": 1, "scorer": "s", "thresholds": {"upper": 0.8, "lower": 0.2}}))
+    defaults = {"upper": 0.6, "lower": 0.1, "strip_threshold": 0.05}
+    s = CragSettings.resolve(calibration_path=calibration, scorer_name="s", scorer_defaults=defaults, environ={})
+    assert (s.upper, s.lower, s.strip_threshold) == (0.8, 0.2, 0.05)
+
+
+def test_settings_built_directly_read_the_process_environment_below_the_arguments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CRAG_CALIBRATION", raising=False)
+    monkeypatch.setenv("CRAG_MAX_REWRITES", "4")
+    monkeypatch.setenv("CRAG_HYBRID", "on")
+    assert (CragSettings(upper=0.5, lower=0.2).max_rewrites, CragSettings(upper=0.5, lower=0.2).hybrid) == (4, True)
+    assert CragSettings(upper=0.5, lower=0.2, max_rewrites=0, hybrid=False).model_dump(
+        include={"max_rewrites", "hybrid"}
+    ) == {"max_rewrites": 0, "hybrid": False}
+
+
 def test_settings_errors_name_the_fix() -> None:
-    with pytest.raises(ValueError, match="pass upper= and lower="):
+    with pytest.raises(ConfigError, match="pass upper= and lower="):
         CragSettings.resolve(scorer_name="x", environ={})
-    with pytest.raises(ValueError, match="CRAG_ENABLED='maybe' is not a boolean"):
+    with pytest.raises(ConfigError, match="CRAG_ENABLED='maybe' is not a boolean"):
         CragSettings.resolve({"upper": 0.5, "lower": 0.2}, environ={"CRAG_ENABLED": "maybe"})
-    with pytest.raises(ValueError, match="invalid CRAG settings"):
+    with pytest.raises(ConfigError, match="invalid CRAG settings: CRAG_MAX_REWRITES='-1' is invalid"):
         CragSettings.resolve({"upper": 0.5, "lower": 0.2}, environ={"CRAG_MAX_REWRITES": "-1"})
+    with pytest.raises(ConfigError, match="CRAG_AGGREGATION='median' is invalid: input should be 'max'"):
+        CragSettings.resolve({"upper": 0.5, "lower": 0.2}, environ={"CRAG_AGGREGATION": "median"})
+    with pytest.raises(ConfigError, match="lower <= upper"):
+        CragSettings.resolve({"upper": 0.2}, environ={"CRAG_LOWER": "0.5"})
+
+
+def test_a_bad_constructor_value_is_named_by_its_keyword_not_the_variable_it_overrides() -> None:
+    with pytest.raises(ConfigError, match=r"max_rewrites=-1 is invalid") as refused:
+        CragSettings.resolve({"upper": 0.5, "lower": 0.2, "max_rewrites": -1}, environ={"CRAG_MAX_REWRITES": "2"})
+    assert "CRAG_MAX_REWRITES" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [("on", True), ("OFF", False), ("true", True), ("False", False), ("1", True), ("0", False), (" yes", True)],
+)
+def test_environment_booleans_take_the_documented_spellings(raw: str, value: bool) -> None:
+    assert CragSettings.resolve({"upper": 0.5, "lower": 0.2}, environ={"CRAG_HYBRID": raw}).hybrid is value
+    assert WebSearchSettings.resolve(None, environ={"CRAG_WEB": raw}).enabled is value
+
+
+@pytest.mark.parametrize("raw", ["maybe", "t", "n", "2", ""])
+def test_any_other_boolean_spelling_is_an_error_naming_the_variable(raw: str) -> None:
+    with pytest.raises(ConfigError, match=f"CRAG_EXPLAIN={raw!r} is not a boolean"):
+        CragSettings.resolve({"upper": 0.5, "lower": 0.2}, environ={"CRAG_EXPLAIN": raw})
+    with pytest.raises(ConfigError, match=f"CRAG_WEB={raw!r} is not a boolean"):
+        WebSearchSettings.resolve(None, environ={"CRAG_WEB": raw})
+
+
+def test_web_lists_and_the_tavily_key_come_from_the_environment_as_documented() -> None:
+    env = {
+        "CRAG_WEB": "on",
+        "CRAG_WEB_ALLOW_DOMAINS": " a.org, *.b.org ,",
+        "CRAG_WEB_REDACT_PATTERNS": "ACME-\\d+\nx{1,3}\n",
+        "TAVILY_API_KEY": "tavily's own",
+    }
+    web = WebSearchSettings.resolve(None, environ=env)
+    assert web.enabled and web.allow_domains == ["a.org", "*.b.org"] and web.deny_domains == []
+    assert web.redact_patterns == [r"ACME-\d+", "x{1,3}"]
+    assert web.tavily_api_key == "tavily's own"
+    assert WebSearchSettings.resolve(None, environ={**env, "CRAG_WEB_TAVILY_API_KEY": "ours"}).tavily_api_key == "ours"
+    with pytest.raises(ConfigError, match="CRAG_WEB_MAX_RESULTS='500' is invalid"):
+        WebSearchSettings.resolve(None, environ={"CRAG_WEB_MAX_RESULTS": "500"})
+    with pytest.raises(ConfigError, match=r"CRAG_WEB_REDACT_PATTERNS='.*' holds '\(', which is not a regular"):
+        WebSearchSettings.resolve(None, environ={"CRAG_WEB_REDACT_PATTERNS": "ACME-\\d+\n("})
+    with pytest.raises(ConfigError, match="unknown web settings"):
+        WebSearchSettings.resolve({"max_result": 3}, environ={})
+
+
+def test_code_cannot_undo_the_web_kill_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    forbidding = {"CRAG_WEB_FORBIDDEN": "on"}
+    assert WebSearchSettings.resolve({"forbidden": False}, environ=forbidding).forbidden
+    assert WebSearchSettings.resolve({"forbidden": True}, environ={"CRAG_WEB_FORBIDDEN": "false"}).forbidden
+    assert not WebSearchSettings.resolve({"forbidden": False}, environ={}).forbidden
+    monkeypatch.setenv("CRAG_WEB_FORBIDDEN", "true")
+    assert WebSearchSettings(enabled=True, forbidden=False).forbidden
+
+
+def test_a_misspelt_kill_switch_is_refused_rather_than_read_as_off() -> None:
+    with pytest.raises(ConfigError, match="CRAG_WEB_FORBIDDEN='ture' is not a boolean"):
+        WebSearchSettings.resolve({"forbidden": False}, environ={"CRAG_WEB_FORBIDDEN": "ture"})
 
 
 def test_web_settings_given_as_a_dict_or_object_turn_the_web_on_unless_they_say_otherwise() -> None:
-    from llama_index_crag.settings import WebSearchSettings
-
     given = {"provider": "searxng", "searxng_url": "http://127.0.0.1:9", "allow_domains": ["example.org"]}
     assert WebSearchSettings.resolve(given, environ={}).enabled
     assert WebSearchSettings.resolve(WebSearchSettings(provider="duckduckgo"), environ={}).enabled

@@ -12,8 +12,8 @@ import pytest
 from pydantic import BaseModel
 
 from llama_index_crag.cli import main
-from llama_index_crag.models import default_llm
-from llama_index_crag.portable import (
+from llama_index_crag.local.models import default_llm
+from llama_index_crag.local.portable import (
     FAIL,
     NON_PORTABLE_FEATURES,
     OK,
@@ -117,7 +117,7 @@ def test_doctor_checks_every_part_and_says_what_to_fix(capsys: pytest.CaptureFix
         "spaCy pipeline",
     }
     assert checks["embedding model"]["status"] == OK and "384 dimensions" in checks["embedding model"]["detail"]
-    from llama_index_crag.engine import default_scorer
+    from llama_index_crag.scorers.registry import default_scorer
 
     assert checks["grader"]["status"] == OK and checks["grader"]["detail"].startswith(default_scorer().name)
     assert checks["Ollama"]["status"] == "warn" and "ollama pull" in checks["Ollama"]["fix"]
@@ -131,8 +131,8 @@ def test_doctor_checks_every_part_and_says_what_to_fix(capsys: pytest.CaptureFix
 def test_schema_bound_json_from_the_bundled_model_always_parses(seed: int) -> None:
     from llama_cpp import Llama
 
-    from llama_index_crag.bundled import bundled_gguf_path
-    from llama_index_crag.llamacpp import chatml_completion_to_prompt, json_grammar
+    from llama_index_crag.local.bundled import bundled_gguf_path
+    from llama_index_crag.local.llamacpp import chatml_completion_to_prompt, json_grammar
 
     llm = _model(Llama, str(bundled_gguf_path()))
     out = llm(
@@ -161,7 +161,7 @@ def _model(cls: type, path: str) -> object:
 def test_the_json_grammar_keeps_raw_control_characters_out_of_strings() -> None:
     from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-    from llama_index_crag.llamacpp import _GRAMMAR_CHAR, _JSON_CHAR, json_grammar
+    from llama_index_crag.local.llamacpp import _GRAMMAR_CHAR, _JSON_CHAR, json_grammar
 
     # llama.cpp's plain JSON grammar already keeps them out; its schema grammars do not.
     assert _JSON_CHAR in JSON_GBNF and not _GRAMMAR_CHAR.search(JSON_GBNF)
@@ -185,7 +185,7 @@ def test_the_json_grammar_keeps_raw_control_characters_out_of_strings() -> None:
     ],
 )
 def test_a_json_prefix_cut_at_the_token_cap_is_closed(cut: str, closed: str) -> None:
-    from llama_index_crag.llamacpp import close_json_prefix
+    from llama_index_crag.local.llamacpp import close_json_prefix
 
     assert close_json_prefix(cut) == closed
     json.loads(closed)

@@ -15,9 +15,10 @@ from llama_index.core.schema import MetadataMode, QueryBundle
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
-from llama_index_crag.embedding_cache import DiskCachedEmbedding
-from llama_index_crag.evaluation.corpus import chunk
-from llama_index_crag.postgres import (
+from llama_index_crag.local.embedding_cache import DiskCachedEmbedding
+from llama_index_crag.scorers.evidence import EvidenceScorer, terms
+from llama_index_crag.stores.chunking import chunk
+from llama_index_crag.stores.postgres import (
     PostgresFullTextRetriever,
     PostgresSentenceWindowRetriever,
     PostgresStore,
@@ -26,9 +27,8 @@ from llama_index_crag.postgres import (
     engine_from_store,
     ingest,
 )
-from llama_index_crag.scorers.evidence import EvidenceScorer, terms
-from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
 from tests.conftest import ScriptedLLM, write_hostile_documents
+from tests.loadtest import ServerProcess, free_port, run_load
 from tests.pg_server import pg_url  # noqa: F401  (the session fixture)
 
 
@@ -108,7 +108,7 @@ def test_ingest_writes_the_chunks_windows_and_word_frequencies_of_the_in_memory_
         stored = dict(conn.execute(f"SELECT term, df FROM {sample_store.name('terms')}").fetchall())
         windows = conn.execute(f"SELECT count(*) FROM {sample_store.name('windows')}").fetchone()
     assert set(stored) == set(in_memory["idf"])
-    from llama_index_crag.postgres import stored_scorer
+    from llama_index_crag.stores.postgres import stored_scorer
 
     scorer, weights = stored_scorer(sample_store, CountingEmbedding(embed_model))
     for word in list(in_memory["idf"])[:50]:
@@ -204,7 +204,7 @@ def test_the_full_text_fallback_ranks_only_chunks_holding_the_rarest_lexemes_wit
 
 
 def test_the_candidate_lexemes_are_the_rarest_within_the_budget_and_never_none() -> None:
-    from llama_index_crag.postgres import candidate_lexemes
+    from llama_index_crag.stores.postgres import candidate_lexemes
 
     found = [("common", 900), ("rare", 3), ("middling", 200), ("odd", 40)]
     assert candidate_lexemes(found, 1000) == ["rare", "odd", "middling"]
@@ -393,7 +393,7 @@ def test_ingest_takes_documents_with_nul_surrogates_odd_names_and_a_huge_word(
 
 
 def test_ingest_refuses_a_folder_without_documents(pg_url: str, tmp_path: Path) -> None:  # noqa: F811
-    from llama_index_crag.server.store import IndexFolderError
+    from llama_index_crag.stores.folder import IndexFolderError
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(IndexFolderError):
@@ -438,8 +438,9 @@ def test_an_unreachable_store_is_a_clear_error_and_the_store_recovers_when_it_is
     import httpx
 
     from llama_index_crag import RetrievalUnavailableError
-    from llama_index_crag.postgres import StoreUnavailableError
-    from llama_index_crag.server.app import ServerConfig, create_app
+    from llama_index_crag.server.app import create_app
+    from llama_index_crag.server.service import ServerConfig
+    from llama_index_crag.stores.postgres import StoreUnavailableError
     from tests.live_server import LiveServer
     from tests.pg_server import LocalPostgres
 

@@ -226,13 +226,14 @@ def test_the_trained_reader_prefers_the_sentence_that_answers_a_paraphrase(
 
 @pytest.mark.slow
 def test_eval_grades_with_the_reader_named_in_crag_grader(grader: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llama_index_crag.evaluation.systems import SCORERS
+    from llama_index_crag.scorers.registry import from_spec
 
     monkeypatch.delenv("CRAG_GRADER", raising=False)
-    with pytest.raises(ValueError, match="CRAG_GRADER"):
-        SCORERS["reader"](COOPERATIVE)
+    assert from_spec("reader").name.startswith("reader:grader@"), "no CRAG_GRADER: the packaged reader"
     monkeypatch.setenv("CRAG_GRADER", str(grader))
-    scores = SCORERS["reader"](COOPERATIVE).score_texts("Who chairs the cooperative?", COOPERATIVE)
+    scorer = from_spec("reader", corpus=COOPERATIVE)
+    assert scorer.name.startswith(f"reader:{grader.name}@")
+    scores = scorer.score_texts("Who chairs the cooperative?", COOPERATIVE)
     assert all(0.0 <= s <= 1.0 for s in scores) and len(scores) == len(COOPERATIVE)
 
 

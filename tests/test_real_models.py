@@ -14,8 +14,8 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.llms.ollama import Ollama
 
 from llama_index_crag import CorrectiveQueryEngine, RewrittenQuery
-from llama_index_crag.bundled import bundled_embedding_path
-from llama_index_crag.rewrite import DEFAULT_REWRITE_PROMPT
+from llama_index_crag.core.rewrite import DEFAULT_REWRITE_PROMPT
+from llama_index_crag.local.bundled import bundled_embedding_path
 from llama_index_crag.scorers import CrossEncoderScorer, UpstreamScoreScorer
 
 from .conftest import ALPHA, BETA, GAMMA, FixedRetriever, ScriptedLLM
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def llama_cpp_llm() -> Any:
-    from llama_index_crag.llamacpp import BundledLlamaCPP
+    from llama_index_crag.local.llamacpp import BundledLlamaCPP
 
     return BundledLlamaCPP()
 
@@ -40,7 +40,7 @@ def test_bundled_llama_cpp_returns_schema_valid_json_for_the_rewrite(llama_cpp_l
 
 
 def test_a_rewrite_cut_at_the_bundled_models_token_cap_still_parses() -> None:
-    from llama_index_crag.llamacpp import BundledLlamaCPP
+    from llama_index_crag.local.llamacpp import BundledLlamaCPP
 
     short = BundledLlamaCPP(max_new_tokens=6)  # the cap falls inside the query string
     result = short.structured_predict(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
@@ -10,16 +12,18 @@ from typing import Any, Dict, Iterator, List
 import httpx
 import pytest
 from llama_index.core import VectorStoreIndex
+from llama_index.core.base.llms.types import CompletionResponse
 from llama_index.core.llms import MockLLM
 from llama_index.core.response_synthesizers.no_text import NoText
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
-from llama_index_crag.server.app import ServerConfig, create_app
-from llama_index_crag.server.loadtest import ServerProcess, free_port, run_load
-from llama_index_crag.server.store import IndexFolderError, ingest, load_engine, load_index
+from llama_index_crag.server.app import create_app
+from llama_index_crag.server.service import ServerConfig
+from llama_index_crag.stores.folder import IndexFolderError, ingest, load_engine, load_index
 from tests.conftest import ScriptedLLM, write_hostile_documents
 from tests.live_server import LiveServer
+from tests.loadtest import ServerProcess, free_port, run_load
 from tests.ollama_server import OllamaServer
 
 ANSWERED = "Who is the CEO of Harbor Analytics?"
@@ -194,7 +198,7 @@ def test_openai_sdk_uses_the_engine_as_a_model(server: LiveServer) -> None:
         ({"query": ["a"]}, 422, "invalid_request"),
         ({"query": "x", "explain": "yes"}, 422, "invalid_request"),
         ({"query": "x", "unknown": 1}, 422, "invalid_request"),
-        ({"query": "x" * 4001}, 400, "query_too_long"),
+        ({"query": "x" * 8001}, 400, "query_too_long"),  # the engine's max_query_chars
     ],
 )
 def test_bad_query_requests_get_clear_json_errors(
@@ -204,6 +208,21 @@ def test_bad_query_requests_get_clear_json_errors(
     assert reply.status_code == status
     error = reply.json()["error"]
     assert error["code"] == code and error["message"]
+
+
+def test_the_server_refuses_a_long_query_at_the_engines_own_limit(
+    index_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llama_index_crag.server.main import ServeOptions, build_app
+
+    monkeypatch.setenv("CRAG_MAX_QUERY_CHARS", "40")
+    served = build_app(ServeOptions(index=str(index_dir), llm="none"))
+    with LiveServer(served) as live:
+        refused = _post(live, "/query", json={"query": "Who is the CEO of Harbor Analytics today?"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "query_too_long"
+        assert "41 characters, over the limit of 40" in refused.json()["error"]["message"]
+    with LiveServer(build_app(ServeOptions(index=str(index_dir), llm="none", max_query_chars=60))) as live:
+        assert _post(live, "/query", json={"query": "Who is the CEO of Harbor Analytics today?"}).status_code == 200
 
 
 def test_nul_and_lone_surrogates_in_a_request_are_replaced_or_refused(server: LiveServer) -> None:
@@ -272,6 +291,68 @@ def test_api_key_guards_every_route_but_healthz(loaded: Any) -> None:
         assert httpx.get(live.url + "/metrics", headers={"X-API-Key": "s3cret"}).status_code == 200
 
 
+class AsyncOnly(ScriptedLLM):
+    """Answers only through LlamaIndex's async LLM calls: a sync call fails the query."""
+
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        raise AssertionError("the server called the generator's sync path")
+
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        raise AssertionError("the server called the generator's sync path")
+
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        return CompletionResponse(text=self._text(prompt))
+
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        words = self._text(prompt).split(" ")
+
+        async def gen() -> Any:
+            for word in words:
+                yield CompletionResponse(text=word, delta=word + " ")
+
+        return gen()
+
+
+def test_queries_run_on_the_engines_async_path(loaded: Any) -> None:
+    engine = load_engine(loaded, AsyncOnly())
+    with LiveServer(create_app(engine)) as live:
+        answered = _post(live, "/query", json={"query": ANSWERED})
+        assert answered.status_code == 200 and answered.json()["answer"].startswith("ANSWER:")
+        with httpx.stream("POST", live.url + "/query", json={"query": ANSWERED, "stream": True}, timeout=60) as reply:
+            text = "".join(reply.iter_text())
+        assert reply.status_code == 200 and "event: token" in text and "event: result" in text
+        chat = _post(live, "/v1/chat/completions", json={"messages": [{"role": "user", "content": ANSWERED}]})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"].startswith("ANSWER:")
+
+
+def test_the_schema_declares_the_json_answers_and_sits_behind_the_key(loaded: Any) -> None:
+    engine = load_engine(loaded, ScriptedLLM())
+    with LiveServer(create_app(engine, ServerConfig(api_key="s3cret"))) as live:
+        assert httpx.get(live.url + "/openapi.json").status_code == 401
+        schema = httpx.get(live.url + "/openapi.json", headers={"X-API-Key": "s3cret"}).json()
+    answers = {
+        path: schema["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+        for path, method in (("/query", "post"), ("/v1/chat/completions", "post"), ("/healthz", "get"))
+    }
+    assert answers == {
+        "/query": "#/components/schemas/QueryResult",
+        "/v1/chat/completions": "#/components/schemas/ChatCompletion",
+        "/healthz": "#/components/schemas/Health",
+    }
+    assert {"HTTPBearer", "APIKeyHeader"} <= set(schema["components"]["securitySchemes"])
+
+
+def test_the_console_and_its_files_load_without_the_key_under_a_strict_content_security_policy(loaded: Any) -> None:
+    engine = load_engine(loaded, ScriptedLLM())
+    with LiveServer(create_app(engine, ServerConfig(api_key="s3cret"))) as live:
+        for path in ("/", "/static/console.js", "/static/console.css"):
+            reply = httpx.get(live.url + path)
+            assert reply.status_code == 200, path
+            assert "script-src 'self'" in reply.headers["content-security-policy"], path
+            assert reply.headers["x-content-type-options"] == "nosniff"
+        assert "<form" in httpx.get(live.url + "/").text
+
+
 def test_cors_is_off_unless_configured(server: LiveServer, loaded: Any) -> None:
     origin = {"Origin": "http://elsewhere.example"}
     assert "access-control-allow-origin" not in httpx.get(server.url + "/healthz", headers=origin).headers
@@ -284,8 +365,8 @@ def test_cors_is_off_unless_configured(server: LiveServer, loaded: Any) -> None:
 def test_a_dead_generator_gives_503_naming_it_and_the_server_stays_up(loaded: Any) -> None:
     from llama_index.llms.ollama import Ollama
 
-    from llama_index_crag.server.app import Generator
     from llama_index_crag.server.main import ServeOptions, build_llm
+    from llama_index_crag.server.service import Generator
 
     dead = f"http://127.0.0.1:{free_port()}"
     llm, generator = build_llm(ServeOptions(index="", llm="ollama", model="qwen2.5:3b", ollama_url=dead))
@@ -319,6 +400,10 @@ def test_a_query_past_its_budget_is_cut_off_and_the_server_stays_up(loaded: Any)
             reply = _post(live, "/query", json={"query": ANSWERED})
             assert reply.status_code == 504 and reply.json()["error"]["code"] == "query_timeout"
             assert time.monotonic() - started < 10
+            started = time.monotonic()
+            streamed = _post(live, "/query", json={"query": ANSWERED, "stream": True})
+            assert streamed.status_code == 504 and streamed.json()["error"]["code"] == "query_timeout"
+            assert time.monotonic() - started < 10
             assert httpx.get(live.url + "/recent").status_code == 200
 
 
@@ -336,3 +421,57 @@ def test_several_workers_under_concurrent_load_answer_without_errors_or_cross_ta
     assert not any(o.cross_talk for o in result.outcomes)
     assert {o.action for o in result.outcomes} >= {"correct", "incorrect"}
     assert counted == 200  # each query counted once, across both workers
+
+
+# --- the [server] extra ------------------------------------------------------------------------------------------
+
+#: Python run in a child process where importing ``{blocked}`` fails, as it does when the extra is not installed.
+WITHOUT = """
+import sys
+
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+sys.meta_path.insert(0, Missing())
+"""
+
+
+def _without(blocked: str, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT.format(blocked=blocked) + code], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("blocked", ["fastapi", "prometheus_client"])
+def test_serve_without_the_server_extra_names_the_install_command_and_exits_non_zero(blocked: str) -> None:
+    ran = _without(blocked, "from llama_index_crag.cli import main\nsys.exit(main(['serve', '--index', 'my-index']))")
+    assert ran.returncode != 0
+    assert "pip install 'llama-index-crag[server]'" in ran.stderr and blocked in ran.stderr
+    assert "Traceback" not in ran.stderr
+
+
+def test_the_app_without_fastapi_is_an_import_error_naming_the_extra() -> None:
+    ran = _without("fastapi", "from llama_index_crag.server.app import create_app")
+    assert (
+        ran.returncode != 0
+        and "ImportError: the query server needs FastAPI: pip install 'llama-index-crag[server]'" in ran.stderr
+    )
+
+
+def test_the_library_imports_and_answers_without_loading_the_server_or_prometheus() -> None:
+    code = (
+        "import sys\n"
+        "from llama_index.core.llms import MockLLM\n"
+        "from llama_index_crag import CorrectiveQueryEngine\n"
+        "from llama_index_crag.datasets import load_documents\n"
+        "nodes = load_documents()\n"
+        "engine = CorrectiveQueryEngine.from_defaults(nodes=nodes, llm=MockLLM(), fallback_sources=('bm25',))\n"
+        f"assert engine.query({ANSWERED!r}).metadata['crag']['action']\n"
+        "names = ('fastapi', 'starlette', 'uvicorn', 'sse_starlette', 'prometheus_client', 'llama_index_crag.server')\n"
+        "print(','.join(n for n in names if n in sys.modules))"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == ""

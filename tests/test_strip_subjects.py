@@ -6,7 +6,7 @@ from typing import List, Sequence
 
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from llama_index_crag.refiner import StripRefiner, decompose, refers_back
+from llama_index_crag.core.refiner import StripRefiner, decompose, refers_back
 from llama_index_crag.scorers.base import RelevanceScorer
 
 PAGE = (

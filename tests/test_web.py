@@ -18,8 +18,8 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.schema import QueryBundle
 
 from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever
-from llama_index_crag.prompts import INTERNAL_WINS, SOURCES_ARE_DATA
-from llama_index_crag.settings import WebSearchSettings
+from llama_index_crag.core.prompts import INTERNAL_WINS, SOURCES_ARE_DATA
+from llama_index_crag.core.settings import WebSearchSettings
 from llama_index_crag.web import (
     DuckDuckGoSearch,
     SearxNGSearch,
@@ -644,7 +644,7 @@ def test_searxng_provider_reads_the_json_api(searxng: Any, pages: RecordingServe
 def test_bundled_generator_answers_an_out_of_corpus_question_from_the_web(
     searxng: Any, pages: RecordingServer, embed_model: Any
 ) -> None:
-    from llama_index_crag.llamacpp import BundledLlamaCPP
+    from llama_index_crag.local.llamacpp import BundledLlamaCPP
 
     state, searx = searxng
     state.urls = urls(pages, "/malicious", "/harbor")

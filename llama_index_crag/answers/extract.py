@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Sequence
 
 from llama_index.core.schema import NodeWithScore
 
-from llama_index_crag.refiner import decompose
+from llama_index_crag.core.refiner import decompose
 from llama_index_crag.scorers.answer_type import asked_kinds, holds_kind
 from llama_index_crag.scorers.base import RelevanceScorer
 

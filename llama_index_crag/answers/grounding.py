@@ -9,7 +9,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer
 
-from llama_index_crag.refiner import decompose
+from llama_index_crag.core.refiner import decompose
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.evidence import terms
 

@@ -15,11 +15,12 @@ from llama_index.core.schema import MetadataMode
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
+from llama_index_crag.core.settings_sources import CALIBRATION_VERSION
 from llama_index_crag.datasets import Question, load_documents, load_questions, normalise_text, read_jsonl
-from llama_index_crag.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
+from llama_index_crag.errors import DatasetError
+from llama_index_crag.local.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import bi_encoder_of
-from llama_index_crag.settings import CALIBRATION_VERSION
 
 IN_CORPUS = "in-corpus"
 OUT_OF_CORPUS = "out-of-corpus"
@@ -80,7 +81,7 @@ def labelled_batches(
     dropped, as if the index had been built without them); each unanswerable question
     gives one batch.
     """
-    from llama_index_crag.models import default_embed_model
+    from llama_index_crag.local.models import default_embed_model
 
     folder = Path(folder)
     embed_model = embed_model or default_embed_model()
@@ -171,7 +172,7 @@ def fit_thresholds(
     kind = np.asarray(kinds)
     truth = kind == IN_CORPUS
     if truth.all() or not truth.any():
-        raise ValueError("calibration needs batches both with and without the answer")
+        raise DatasetError("calibration needs batches both with and without the answer")
     upper = float(scores.max()) + 1e-9
     for threshold in np.unique(scores):
         if truth[scores >= threshold].mean() >= target_precision:
@@ -201,7 +202,7 @@ def write_calibration(
     scorer_state: Optional[Mapping[str, Any]] = None,
     strips: Optional[Mapping[str, float]] = None,
 ) -> Dict[str, Any]:
-    """Write the versioned calibration file that ``settings.load_calibration`` reads.
+    """Write the versioned calibration file that ``core.settings_sources.load_calibration`` reads.
 
     ``strips`` (from ``fit_strip_threshold``) adds the knowledge-strip threshold and
     what it achieved, when the set labels evidence sentences or short answers."""
@@ -261,7 +262,7 @@ class StripSet:
 
 def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: int) -> StripSet:
     """The strips ``StripRefiner`` would cut from each in-corpus batch's gold passages, labelled."""
-    from llama_index_crag.refiner import decompose
+    from llama_index_crag.core.refiner import decompose
 
     rows = {str(r["doc_id"]): r for r in read_jsonl(Path(folder) / "corpus.jsonl")}
     found = StripSet()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 from llama_index_crag.calibration.training import Pair, PairSet
+from llama_index_crag.errors import DatasetError
 
 #: The share of each source's groups held out for checkpoint selection and figures.
 HELD_OUT_SHARE = 0.1
@@ -48,9 +49,9 @@ def read_rows(path: Path | str) -> Iterator[Dict[str, Any]]:
                 row = json.loads(line)
                 question, passage, label = str(row["question"]), str(row["passage"]), int(row["label"])
             except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{number}: not a (question, passage, label) pair: {exc}") from exc
+                raise DatasetError(f"{path}:{number}: not a (question, passage, label) pair: {exc}") from exc
             if label not in (0, 1) or not question.strip() or not passage.strip():
-                raise ValueError(f"{path}:{number}: needs a question, a passage and a label of 0 or 1")
+                raise DatasetError(f"{path}:{number}: needs a question, a passage and a label of 0 or 1")
             yield row
 
 
@@ -72,5 +73,5 @@ def load_labelled_pairs(
     if limit is not None and limit < len(train):
         train = random.Random(seed).sample(train, limit)
     if not train or not held_out:
-        raise ValueError(f"{path} gives {len(train)} training and {len(held_out)} held-out pairs: it needs both")
+        raise DatasetError(f"{path} gives {len(train)} training and {len(held_out)} held-out pairs: it needs both")
     return PairSet(train, held_out)

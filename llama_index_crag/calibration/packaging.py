@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from llama_index_crag.calibration.reader_model import GRADER_FILE, WEIGHTS_FILE, file_sha256
-from llama_index_crag.settings import read_calibration
+from llama_index_crag.core.settings_sources import read_calibration
+from llama_index_crag.errors import ConfigError
 
 NOTICE_FILE = "NOTICE"
 
@@ -44,7 +45,7 @@ def pack_grader(
         data = json.loads(Path(calibration).read_text(encoding="utf-8"))
         scorer = str(data.get("scorer", ""))
         if not scorer.startswith("reader:"):
-            raise ValueError(f"{calibration} was fitted for scorer {scorer!r}, not for a reader")
+            raise ConfigError(f"{calibration} was fitted for scorer {scorer!r}, not for a reader")
         read_calibration(calibration, scorer)  # the same checks the engine makes
         packed["stack"] = data["scorer_state"]
         thresholds = data["thresholds"]

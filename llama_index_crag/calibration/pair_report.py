@@ -17,6 +17,7 @@ import numpy as np
 
 from llama_index_crag.calibration.labelled import group_of, is_held_out, read_rows
 from llama_index_crag.calibration.training import auroc
+from llama_index_crag.errors import DatasetError
 from llama_index_crag.scorers.base import sigmoid
 from llama_index_crag.scorers.evidence import EvidenceScorer
 
@@ -25,7 +26,7 @@ def held_out_rows(path: Path | str, limit: Optional[int] = None, seed: int = 0) 
     """The rows of ``path`` held out from training (a sample of ``limit`` of them, spread over every source)."""
     rows = [r for r in read_rows(path) if is_held_out(r)]
     if not rows:
-        raise ValueError(f"{path} has no held-out pairs")
+        raise DatasetError(f"{path} has no held-out pairs")
     if limit is not None and limit < len(rows):
         picked = np.random.default_rng(seed).choice(len(rows), size=limit, replace=False)
         rows = [rows[int(i)] for i in sorted(picked)]

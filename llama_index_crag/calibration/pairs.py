@@ -43,6 +43,7 @@ from tqdm import tqdm
 from llama_index_crag.calibration.synthetic import WH_WORDS, load_spacy
 from llama_index_crag.calibration.training import Pair, PairSet
 from llama_index_crag.datasets import load_documents
+from llama_index_crag.errors import DatasetError
 
 POSITIVE = "positive"
 ANSWER_REMOVED = "answer_removed"
@@ -212,7 +213,7 @@ def make_pairs(
     rng = random.Random(seed)
     documents = load_documents(folder)
     if not documents:
-        raise ValueError(f"{Path(folder) / 'corpus.jsonl'} holds no documents")
+        raise DatasetError(f"{Path(folder) / 'corpus.jsonl'} holds no documents")
     order = list(range(len(documents)))
     rng.shuffle(order)
     nlp = nlp or load_spacy()
@@ -246,7 +247,7 @@ def make_pairs(
             break
     bar.close()
     if not docs:
-        raise ValueError(f"no document of {Path(folder) / 'corpus.jsonl'} has two sentences to make pairs from")
+        raise DatasetError(f"no document of {Path(folder) / 'corpus.jsonl'} has two sentences to make pairs from")
     # Held out among the documents read (a long corpus is read only until there are enough questions).
     held_out_ids = {d.doc_id for d in rng.sample(docs, max(1, round(len(docs) * held_out_share)))}
 
@@ -267,7 +268,7 @@ def make_pairs(
         (held_out if docs[d].doc_id in held_out_ids else train).extend(pairs)
         made += len(pairs)
     if not any(p.label for p in train) or not any(p.label for p in held_out):
-        raise ValueError(f"too few sentences with a name, date or noun phrase in {folder} to make training pairs")
+        raise DatasetError(f"too few sentences with a name, date or noun phrase in {folder} to make training pairs")
     return PairSet(train, held_out)
 
 

@@ -13,13 +13,11 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
+from llama_index_crag.errors import GraderLoadError
+
 GRADER_VERSION = 1
 GRADER_FILE = "grader.json"
 WEIGHTS_FILE = "reader.safetensors"
-
-
-class GraderLoadError(ValueError):
-    """A grader directory that cannot be used: missing, of another version or base model, or damaged."""
 
 
 def file_sha256(path: Path) -> str:

@@ -41,7 +41,8 @@ from llama_index_crag.calibration.fit import (
     ranking,
 )
 from llama_index_crag.datasets import Question, load_documents
-from llama_index_crag.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
+from llama_index_crag.errors import DatasetError
+from llama_index_crag.local.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 
 #: The question word for each entity type the questions are made from.
 WH_WORDS: Dict[str, str] = {
@@ -187,7 +188,7 @@ def synthetic_batches(
 
     Only ``corpus.jsonl`` is read: no question or label of the dataset is used.
     """
-    from llama_index_crag.models import default_embed_model
+    from llama_index_crag.local.models import default_embed_model
 
     folder = Path(folder)
     embed_model = embed_model or default_embed_model()
@@ -197,7 +198,7 @@ def synthetic_batches(
     position = {doc_id: i for i, doc_id in enumerate(ids)}
     made = synthetic_questions(folder, count, seed=seed, nlp=nlp, progress=progress)
     if not made:
-        raise ValueError(f"no question could be made from {folder / 'corpus.jsonl'}: it names no dates, people, ...")
+        raise DatasetError(f"no question could be made from {folder / 'corpus.jsonl'}: it names no dates, people, ...")
     matrix = unit_vectors(corpus_cache(embed_model, folder / "corpus.jsonl", cache_dir, progress), texts)
     queries = embed_model.get_text_embedding_batch([m.question.question for m in made])
     batches: List[Batch] = []

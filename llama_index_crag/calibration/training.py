@@ -37,6 +37,7 @@ from llama_index_crag.calibration.reader_model import (
     Reader,
     base_fingerprint,
 )
+from llama_index_crag.errors import DatasetError, GraderLoadError
 
 CHECKPOINT_FILE = "checkpoint.pt"
 
@@ -122,7 +123,7 @@ def train_grader(
     """
     import torch
 
-    from llama_index_crag.bundled import bundled_embedding_path
+    from llama_index_crag.local.bundled import bundled_embedding_path
 
     config = config or TrainingConfig()
     base = Path(base or bundled_embedding_path())
@@ -141,7 +142,7 @@ def train_grader(
     positives = sum(p.label for p in pairs.train)
     negatives = len(pairs.train) - positives
     if not positives or not negatives:
-        raise ValueError("training the reader needs both positive and negative pairs")
+        raise DatasetError("training the reader needs both positive and negative pairs")
     loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor(negatives / positives, device=config.device))
     steps_per_epoch = math.ceil(len(pairs.train) / config.batch_size)
     total_steps = max(1, int(steps_per_epoch * config.epochs))
@@ -170,7 +171,7 @@ def train_grader(
     if checkpoint.exists():
         saved = torch.load(str(checkpoint), weights_only=False, map_location=config.device)
         if _resumable(saved["config"]) != _resumable(asdict(config)) or saved["pairs"] != len(pairs.train):
-            raise ValueError(f"{checkpoint} was made with other settings or pairs: remove it to start afresh")
+            raise GraderLoadError(f"{checkpoint} was made with other settings or pairs: remove it to start afresh")
         reader.model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])

@@ -1,6 +1,7 @@
-"""Evaluation harness: CRAG against plain RAG, rerank-only and an LLM-judge CRAG, side by side, on one dataset."""
+"""Evaluation harness: CRAG against plain RAG, rerank-only and an LLM-judge CRAG, side by side, on one dataset.
 
-from llama_index_crag.evaluation.command import add_eval_parser
-from llama_index_crag.evaluation.harness import EvalConfig, run_evaluation
+``harness.run_evaluation`` runs it; ``command`` is ``llama-crag eval``; ``systems`` builds the engines.
+"""
 
-__all__ = ["EvalConfig", "add_eval_parser", "run_evaluation"]
+#: The evaluated systems (``--systems``), in the order the report shows them (``systems.SYSTEMS`` builds each).
+SYSTEM_NAMES = ("plain", "rerank", "crag", "llm-judge")

@@ -6,9 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from llama_index_crag.evaluation.harness import EvalConfig, run_evaluation
-from llama_index_crag.evaluation.systems import SCORERS, SYSTEMS
-from llama_index_crag.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
+from llama_index_crag.evaluation import SYSTEM_NAMES
+from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
+from llama_index_crag.scorers.registry import SPECS, check_spec
 
 
 def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
@@ -22,7 +22,9 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--dataset", required=True, help="folder with corpus.jsonl and questions.jsonl")
     parser.add_argument(
-        "--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)} (default: all)"
+        "--systems",
+        default=",".join(SYSTEM_NAMES),
+        help=f"comma-separated, from {', '.join(SYSTEM_NAMES)} (default: all)",
     )
     parser.add_argument("--limit", type=int, default=None, help="ask only the first N questions")
     parser.add_argument("--out", default=None, help="output folder (default: eval-out/<dataset name>)")
@@ -32,7 +34,10 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
         help="skip answer generation (fixed text): every figure but answer accuracy, fast over whole datasets",
     )
     parser.add_argument(
-        "--scorer", default="evidence", choices=sorted(SCORERS), help="CRAG's relevance scorer (default: the engine's)"
+        "--scorer",
+        default="evidence",
+        type=check_spec,
+        help=f"CRAG's relevance scorer, one of {', '.join(SPECS)} (default: evidence)",
     )
     parser.add_argument("--calibration", default=None, help="calibration JSON with CRAG's thresholds")
     parser.add_argument("--top-k", type=int, default=5, help="chunks retrieved (plain, CRAG, LLM-judge)")
@@ -48,7 +53,8 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from llama_index_crag.models import default_llm
+    from llama_index_crag.evaluation.harness import EvalConfig, run_evaluation
+    from llama_index_crag.local.models import default_llm
 
     dataset = Path(args.dataset)
     config = EvalConfig(

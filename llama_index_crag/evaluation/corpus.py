@@ -11,13 +11,13 @@ from typing import FrozenSet, Iterable, Iterator, List, Optional, Sequence
 from llama_index.core import VectorStoreIndex
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.node_parser import SentenceSplitter
-from llama_index.core.schema import BaseNode, Document, NodeWithScore, QueryBundle
+from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
 
+from llama_index_crag.core.fallback import FallbackRetriever
 from llama_index_crag.datasets import load_documents
-from llama_index_crag.embedding_cache import corpus_cache
 from llama_index_crag.evaluation.dataset import EvalQuestion
-from llama_index_crag.fallback import FallbackRetriever
+from llama_index_crag.local.embedding_cache import corpus_cache
+from llama_index_crag.stores.chunking import chunk
 
 
 class CorpusView:
@@ -92,7 +92,7 @@ class EvalCorpus:
         progress: bool = False,
     ) -> EvalCorpus:
         """Chunk, embed (through the cache) and index the corpus, and build and warm the fallback."""
-        from llama_index_crag.models import default_embed_model
+        from llama_index_crag.local.models import default_embed_model
 
         inner = embed_model or default_embed_model()
         cached = corpus_cache(inner, Path(folder) / "corpus.jsonl", cache_dir, progress)
@@ -112,9 +112,3 @@ class EvalCorpus:
     def fallback_retriever(self, keep: int) -> BaseRetriever:
         """The fallback retriever (BM25 and sentence windows) of the top ``keep`` visible results."""
         return ViewRetriever(self.fallback, self.view, keep)
-
-
-def chunk(documents: Sequence[Document]) -> List[BaseNode]:
-    """Chunk as ``VectorStoreIndex.from_documents`` does by default, with stable ids (``doc_id#n``)."""
-    splitter = SentenceSplitter(id_func=lambda i, doc: f"{doc.doc_id}#{i}")
-    return list(splitter.get_nodes_from_documents(documents))

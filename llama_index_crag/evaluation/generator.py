@@ -28,7 +28,7 @@ def generator_token_counter() -> TokenCounter:
         from llama_cpp import Llama
     except ImportError as exc:
         raise ImportError("counting generator tokens needs llama.cpp: pip install 'llama-index-crag[local]'") from exc
-    from llama_index_crag.bundled import bundled_gguf_path
+    from llama_index_crag.local.bundled import bundled_gguf_path
 
     vocab = Llama(model_path=str(bundled_gguf_path()), vocab_only=True, verbose=False)
     return lambda text: len(vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True))

@@ -16,8 +16,9 @@ from llama_index.core.response_synthesizers import ResponseMode, get_response_sy
 from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
+from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.datasets import content_hash
-from llama_index_crag.engine import CorrectiveQueryEngine
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.evaluation.corpus import EvalCorpus
 from llama_index_crag.evaluation.dataset import EvalQuestion, load_eval_questions
 from llama_index_crag.evaluation.generator import MeteredLLM, TokenCounter, generator_token_counter
@@ -30,8 +31,9 @@ from llama_index_crag.evaluation.metrics import (
     targets,
 )
 from llama_index_crag.evaluation.report import write_report
-from llama_index_crag.evaluation.systems import SCORERS, SYSTEMS, SystemParts
-from llama_index_crag.models import describe_llm
+from llama_index_crag.evaluation.systems import SYSTEMS, SystemParts
+from llama_index_crag.local.models import describe_llm
+from llama_index_crag.scorers.registry import check_spec, from_spec, spec_defaults
 
 ROWS_FILE = "rows.jsonl"
 RUN_FILE = "run.json"
@@ -59,9 +61,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if unknown:
-            raise ValueError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
-        if self.scorer not in SCORERS:
-            raise ValueError(f"unknown scorer {self.scorer!r}: choose from {', '.join(SCORERS)}")
+            raise ConfigError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
+        check_spec(self.scorer)
 
     def command(self) -> str:
         """The command line that repeats this run."""
@@ -89,7 +90,7 @@ class EvalConfig:
             "generate": self.generate,
             "generator": self.llm_name,
             "scorer": self.scorer,
-            "scorer_defaults": _scorer_defaults(self.scorer),
+            "scorer_defaults": spec_defaults(self.scorer),
             "calibration": content_hash(self.calibration) if self.calibration else None,
             "top_k": self.top_k,
             "rerank": [self.rerank_top_k, self.rerank_top_n],
@@ -97,20 +98,6 @@ class EvalConfig:
 
 
 Key = Tuple[str, str, str]
-
-
-def _scorer_defaults(scorer: str) -> Dict[str, Any]:
-    """The shipped weights and thresholds CRAG grades with: rows graded with other defaults are not reused."""
-    from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
-    from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer
-
-    if scorer == "evidence":
-        return {
-            "features": list(FEATURES),
-            "weights": list(EvidenceScorer.DEFAULT_WEIGHTS),
-            "thresholds": dict(EvidenceScorer.DEFAULT_THRESHOLDS),
-        }
-    return {"thresholds": dict(BiEncoderScorer.BUNDLED_THRESHOLDS)}
 
 
 def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCounter] = None) -> Dict[str, Any]:
@@ -141,7 +128,7 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
     parts = SystemParts(
         corpus=corpus,
         make_scorer=partial(
-            SCORERS[config.scorer], [n.get_content(metadata_mode=MetadataMode.EMBED) for n in corpus.nodes]
+            from_spec, config.scorer, corpus=[n.get_content(metadata_mode=MetadataMode.EMBED) for n in corpus.nodes]
         ),
         llm=llm,
         synthesizer=get_response_synthesizer(llm=generator, response_mode=ResponseMode.COMPACT),

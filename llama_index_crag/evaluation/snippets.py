@@ -18,8 +18,9 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List
 
+from llama_index_crag.core.refiner import decompose
 from llama_index_crag.datasets import normalise_text, read_jsonl
-from llama_index_crag.refiner import decompose
+from llama_index_crag.errors import ConfigError, DatasetError
 
 
 def _group(sentences: List[str], min_words: int) -> List[range]:
@@ -53,7 +54,7 @@ def snippet_set(folder: Path | str, out: Path | str, min_words: int = 30) -> Dic
     """
     folder, out = Path(folder), Path(out)
     if min_words < 1:
-        raise ValueError("min_words must be at least 1")
+        raise ConfigError("min_words must be at least 1")
     snippets: Dict[str, List[Dict[str, Any]]] = {}
     spans: Dict[str, List[range]] = {}
     for row in read_jsonl(folder / "corpus.jsonl"):
@@ -101,7 +102,7 @@ def snippet_set(folder: Path | str, out: Path | str, min_words: int = 30) -> Dic
             }
         )
     if not questions:
-        raise ValueError(f"no question of {folder} could be labelled at snippet level")
+        raise DatasetError(f"no question of {folder} could be labelled at snippet level")
     out.mkdir(parents=True, exist_ok=True)
     corpus = [s for parts in snippets.values() for s in parts]
     with (out / "corpus.jsonl").open("w", encoding="utf-8") as handle:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
@@ -13,23 +13,12 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llama_index_crag.engine import CorrectiveQueryEngine
+from llama_index_crag.core.engine import CorrectiveQueryEngine
+from llama_index_crag.core.settings import CragSettings
+from llama_index_crag.evaluation import SYSTEM_NAMES
 from llama_index_crag.evaluation.corpus import EvalCorpus
 from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
 from llama_index_crag.scorers.base import RelevanceScorer
-from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
-from llama_index_crag.scorers.evidence import EvidenceScorer
-from llama_index_crag.scorers.reader import ReaderScorer
-from llama_index_crag.settings import CragSettings
-
-#: ``--scorer`` values: CRAG's relevance scorer (and rerank-only's reranker), built from the corpus texts
-#: (as the engine sees them for embedding: metadata included).
-#: A new scorer is one more line.
-SCORERS: Dict[str, Callable[[Sequence[str]], RelevanceScorer]] = {
-    "bi-encoder": lambda corpus: BiEncoderScorer(),
-    "evidence": lambda corpus: EvidenceScorer(corpus=corpus),
-    "reader": lambda corpus: ReaderScorer(corpus=corpus),  # the grader directory in CRAG_GRADER
-}
 
 
 class ScorerRerank(BaseNodePostprocessor):
@@ -119,6 +108,7 @@ SYSTEMS: Dict[str, Callable[[SystemParts], BaseQueryEngine]] = {
     "crag": crag,
     "llm-judge": llm_judge,
 }
+assert tuple(SYSTEMS) == SYSTEM_NAMES, "evaluation.SYSTEM_NAMES lists the systems, in order"
 
 
 def _engine(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
@@ -36,6 +36,20 @@ class RelevanceScorer(ABC):
     #: What went wrong in building this scorer that a user should see (a grader that could not be
     #: loaded, say); every trace of an engine grading with it carries these in ``warnings``.
     warnings: Tuple[str, ...] = ()
+    #: The thresholds (``upper``, ``lower``, ``strip_threshold``) this scorer ships with, fitted for its
+    #: scale; ``None`` when it has none (the settings' own defaults apply).
+    default_thresholds: Optional[Dict[str, float]] = None
+    #: The bi-encoder inside this scorer, if any: the engine hands it the retriever's embeddings so that
+    #: grading does not embed the same texts again (``scorers.bi_encoder.reuse_retrieval_embeddings``).
+    bi_encoder: Optional[Any] = None
+
+    def state(self) -> Optional[Dict[str, Any]]:
+        """What calibration fitted inside the scorer (weights), JSON-ready; ``None`` when nothing is fitted."""
+        return None
+
+    def load_state(self, state: Mapping[str, Any]) -> RelevanceScorer:
+        """Take back what ``state()`` returned (from a calibration file); a scorer with no state ignores it."""
+        return self
 
     @abstractmethod
     def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:

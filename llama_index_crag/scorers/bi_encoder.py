@@ -35,8 +35,8 @@ class BiEncoderScorer(RelevanceScorer):
     BUNDLED_THRESHOLDS = {"upper": 0.55, "lower": 0.30}
 
     def __init__(self, embed_model: Optional[BaseEmbedding] = None, cache_size: int = 50_000) -> None:
-        from llama_index_crag.bundled import bundled_embedding_path
-        from llama_index_crag.models import default_embed_model
+        from llama_index_crag.local.bundled import bundled_embedding_path
+        from llama_index_crag.local.models import default_embed_model
 
         self.embed_model = embed_model or default_embed_model()
         self.default_thresholds: Optional[Dict[str, float]] = None
@@ -104,7 +104,7 @@ def _unit(vector: Sequence[float]) -> np.ndarray:
 
 def bi_encoder_of(scorer: RelevanceScorer) -> Optional[BiEncoderScorer]:
     """The bi-encoder a scorer embeds with: itself, or the one inside it (the evidence scorer's); else None."""
-    found = scorer if isinstance(scorer, BiEncoderScorer) else getattr(scorer, "bi_encoder", None)
+    found = scorer if isinstance(scorer, BiEncoderScorer) else scorer.bi_encoder
     return found if isinstance(found, BiEncoderScorer) else None
 
 

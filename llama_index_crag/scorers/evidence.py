@@ -15,6 +15,7 @@ from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer
 from nltk.stem.porter import PorterStemmer
 from numpy.typing import ArrayLike
 
+from llama_index_crag.errors import ConfigError, DatasetError
 from llama_index_crag.scorers.answer_type import answer_type, constraints
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
@@ -120,7 +121,7 @@ class EvidenceScorer(RelevanceScorer):
         weights: Optional[Sequence[float]] = None,
         corpus: Optional[Iterable[str]] = None,
     ) -> None:
-        self.bi_encoder = BiEncoderScorer(embed_model)
+        self.bi_encoder: BiEncoderScorer = BiEncoderScorer(embed_model)
         self.name = self.bi_encoder.name.replace("bi-encoder:", "evidence:", 1)
         self.weights = np.asarray(weights if weights is not None else self.DEFAULT_WEIGHTS, dtype=np.float64)
         names = self.feature_names
@@ -149,7 +150,7 @@ class EvidenceScorer(RelevanceScorer):
         """Weigh words by ``weights`` (word to IDF, as ``idf`` computes it) for a corpus of ``size`` texts.
 
         ``weights`` may be any mapping: a store that looks words up as they are asked for
-        (``llama_index_crag.postgres.StoredIdf``) serves a corpus too large to hold in memory.
+        (``llama_index_crag.stores.postgres.StoredIdf``) serves a corpus too large to hold in memory.
         """
         self._idf = weights
         self._unseen_idf = math.log(size + 1) if size else 1.0
@@ -269,7 +270,7 @@ class EvidenceScorer(RelevanceScorer):
     def load_state(self, state: Mapping[str, Any]) -> EvidenceScorer:
         """Load weights written by ``state`` (refusing a different feature set)."""
         if list(state.get("features", [])) != list(self.feature_names):
-            raise ValueError(
+            raise ConfigError(
                 f"calibration weights are for features {state.get('features')}, not {list(self.feature_names)}"
             )
         self.weights = np.asarray(state["weights"], dtype=np.float64)
@@ -284,7 +285,7 @@ def fit_logistic(features: np.ndarray, labels: ArrayLike) -> np.ndarray:
 
     y = np.asarray(labels, dtype=bool)
     if y.all() or not y.any():
-        raise ValueError("fitting a scorer's weights needs both relevant and irrelevant pairs")
+        raise DatasetError("fitting a scorer's weights needs both relevant and irrelevant pairs")
     model = LogisticRegression(C=1.0, max_iter=2000, class_weight="balanced").fit(features, y)
     return np.concatenate([model.coef_[0], model.intercept_])
 

@@ -46,7 +46,7 @@ def load_reader(
     another version, one trained on another base model than ``base`` (the bundled MiniLM by
     default), and weights that do not match the SHA-256 the description records (damaged).
     """
-    from llama_index_crag.bundled import bundled_embedding_path
+    from llama_index_crag.local.bundled import bundled_embedding_path
 
     path = Path(path)
     described = path / GRADER_FILE

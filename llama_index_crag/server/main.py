@@ -35,7 +35,7 @@ class ServeOptions:
     disable_crag: bool = False
     cors_origins: List[str] = field(default_factory=list)
     max_body_bytes: int = 64 * 1024
-    max_query_chars: int = 4000
+    max_query_chars: Optional[int] = None  # None: the engine's (CRAG_MAX_QUERY_CHARS, else its default)
     query_timeout_s: float = 120.0
     rate_window_s: float = 300.0
     log_level: str = "info"
@@ -43,8 +43,8 @@ class ServeOptions:
 
 def build_llm(options: ServeOptions) -> Tuple[Any, Any]:
     """The generator the options name, and the ``Generator`` the health check probes."""
-    from llama_index_crag.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL, default_llm, ollama_has_model
-    from llama_index_crag.server.app import Generator
+    from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL, default_llm, ollama_has_model
+    from llama_index_crag.server.service import Generator
 
     url = options.ollama_url or DEFAULT_OLLAMA_URL
     if options.llm == "none":
@@ -62,9 +62,9 @@ def build_llm(options: ServeOptions) -> Tuple[Any, Any]:
 
         return llm, Generator(f"Ollama model {model} at {url}", probe)
     if options.llm == "llamacpp":
-        from llama_index_crag.bundled import bundled_gguf_path
-        from llama_index_crag.llamacpp import BundledLlamaCPP
-        from llama_index_crag.portable import require_generation
+        from llama_index_crag.local.bundled import bundled_gguf_path
+        from llama_index_crag.local.llamacpp import BundledLlamaCPP
+        from llama_index_crag.local.portable import require_generation
 
         path = options.gguf or str(bundled_gguf_path())
         require_generation(path)
@@ -77,25 +77,25 @@ def build_llm(options: ServeOptions) -> Tuple[Any, Any]:
 
 def build_app(options: ServeOptions) -> Any:
     """The FastAPI app over the index folder the options name."""
-    from llama_index_crag.server.app import ServerConfig, create_app
-    from llama_index_crag.server.store import load_engine, load_index
+    from llama_index_crag.server.app import create_app
+    from llama_index_crag.server.service import ServerConfig
+    from llama_index_crag.stores.folder import load_engine, load_index
 
     llm, generator = build_llm(options)  # None: the engine quotes the passages instead of generating
-    enabled = False if options.disable_crag else None
+    settings = {"enabled": False if options.disable_crag else None, "max_query_chars": options.max_query_chars}
     if options.store:
-        from llama_index_crag.postgres import PostgresStore, engine_from_store
+        from llama_index_crag.stores.postgres import PostgresStore, engine_from_store
 
         store = PostgresStore(options.store, table=options.table)
-        engine = engine_from_store(store, llm, enabled=enabled)
+        engine = engine_from_store(store, llm, **settings)
         described = store.describe()
     else:
         loaded = load_index(options.index)
-        engine = load_engine(loaded, llm, enabled=enabled)
+        engine = load_engine(loaded, llm, **settings)
         described = loaded.describe()
     config = ServerConfig(
         api_key=os.environ.get("CRAG_API_KEY") or None,
         max_body_bytes=options.max_body_bytes,
-        max_query_chars=options.max_query_chars,
         query_timeout_s=options.query_timeout_s,
         cors_origins=list(options.cors_origins),
         rate_window_s=options.rate_window_s,
@@ -115,10 +115,10 @@ def serve(options: ServeOptions) -> None:
     """Run the server in the foreground until interrupted."""
     import uvicorn
 
-    from llama_index_crag.server.store import load_index
+    from llama_index_crag.stores.folder import load_index
 
     if options.store:  # a clear error now rather than in every worker
-        from llama_index_crag.postgres import PostgresStore
+        from llama_index_crag.stores.postgres import PostgresStore
 
         checked = PostgresStore(options.store, table=options.table)
         checked.require()

@@ -1,10 +1,14 @@
-"""The server's Prometheus metrics: requests, query latency by action, and fallback and refusal rates over a window.
+"""Prometheus metrics: the engine's actions and stage times (an instrumentation handler), and the server's own.
 
-The engine's own ``crag_actions_total`` and ``crag_stage_seconds`` (``trace.py``) are
-exported beside them. With several worker processes, ``llama-crag serve`` sets
-``PROMETHEUS_MULTIPROC_DIR`` before the workers start and ``/metrics`` aggregates every
-worker's counters and histograms; the window rates are each worker's latest (mostrecent),
-and the window counts are summed over live workers.
+The library registers no metric: ``install_engine_metrics`` attaches ``PrometheusEventHandler``
+to LlamaIndex's root instrumentation dispatcher, and from then on every ``CragActionEvent``
+(one per answered query, from any engine in the process) counts in ``crag_actions_total`` and
+``crag_stage_seconds``. The server installs it; any other program can too. Beside them, the
+server's requests, query latency by action, and fallback and refusal rates over a window.
+
+With several worker processes, ``llama-crag serve`` sets ``PROMETHEUS_MULTIPROC_DIR`` before the
+workers start and ``/metrics`` aggregates every worker's counters and histograms; the window
+rates are each worker's latest (mostrecent), and the window counts are summed over live workers.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import time
 from collections import deque
 from typing import Any, Deque, Dict, Tuple
 
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -25,6 +31,19 @@ from prometheus_client import (
     generate_latest,
 )
 
+from llama_index_crag.core.trace import CragActionEvent
+
+ACTIONS = Counter(
+    "crag_actions_total",
+    "Queries by the corrective action taken (correct, ambiguous, incorrect, disabled).",
+    ["action", "abstained"],
+)
+STAGE_SECONDS = Histogram(
+    "crag_stage_seconds",
+    "Time spent in each stage of the corrective loop; stage 'crag' is the correction's own cost.",
+    ["stage"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
 REQUESTS = Counter("crag_http_requests_total", "HTTP requests by route and status.", ["route", "status"])
 REQUEST_SECONDS = Histogram(
     "crag_http_request_seconds",
@@ -53,6 +72,36 @@ WINDOW_SECONDS = Gauge("crag_rate_window_seconds", "Length of the rate window.",
 
 #: Routes counted by their own name; anything else (unknown paths, probes) as "other", so labels stay bounded.
 ROUTES = ("/", "/query", "/v1/chat/completions", "/metrics", "/healthz", "/recent")
+
+_install_lock = threading.Lock()
+
+
+class PrometheusEventHandler(BaseEventHandler):
+    """Counts each query's corrective action and observes its stage times, from its ``CragActionEvent``."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "PrometheusEventHandler"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        if not isinstance(event, CragActionEvent):
+            return
+        ACTIONS.labels(action=event.action, abstained=str(event.abstained).lower()).inc()
+        for stage, ms in event.timings_ms.items():
+            STAGE_SECONDS.labels(stage=stage).observe(ms / 1000.0)
+        STAGE_SECONDS.labels(stage="crag").observe(event.crag_ms / 1000.0)
+
+
+def install_engine_metrics() -> PrometheusEventHandler:
+    """Attach the handler to the root dispatcher once per process (again: the one already attached)."""
+    root = get_dispatcher()
+    with _install_lock:
+        for handler in root.event_handlers:
+            if isinstance(handler, PrometheusEventHandler):
+                return handler
+        handler = PrometheusEventHandler()
+        root.add_event_handler(handler)
+        return handler
 
 
 class ServerMetrics:

@@ -14,7 +14,7 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from llama_index_crag.settings import WebSearchSettings
+from llama_index_crag.core.settings import WebSearchSettings
 
 TEXT_TYPES = ("text/html", "application/xhtml+xml", "text/plain")
 MAX_REDIRECTS = 3

@@ -7,13 +7,10 @@ from typing import Any, List, Mapping, Optional, Protocol, Sequence
 
 import httpx
 
-from llama_index_crag.settings import WebSearchSettings
+from llama_index_crag.core.settings import WebSearchSettings
+from llama_index_crag.errors import ConfigError, WebSearchError
 
 _INSTALL = "pip install 'llama-index-crag[web]'"
-
-
-class WebSearchError(RuntimeError):
-    """The search provider could not be asked, or did not answer in time; the web branch abstains."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +86,7 @@ class TavilySearch:
         try:
             self._client = TavilyClient(api_key=api_key, api_base_url=base_url)
         except Exception as exc:
-            raise ValueError(
+            raise ConfigError(
                 f"Tavily is not configured ({exc}): set CRAG_WEB_TAVILY_API_KEY or TAVILY_API_KEY"
             ) from exc
         self._include = [d.removeprefix("*.") for d in include_domains]
@@ -149,7 +146,7 @@ def provider_from_settings(settings: WebSearchSettings) -> SearchProvider:
     """The provider the settings name, configured, or an error that says what is missing."""
     if settings.provider == "searxng":
         if not settings.searxng_url:
-            raise ValueError("the SearxNG provider needs its address: set CRAG_WEB_SEARXNG_URL or searxng_url=")
+            raise ConfigError("the SearxNG provider needs its address: set CRAG_WEB_SEARXNG_URL or searxng_url=")
         return SearxNGSearch(settings.searxng_url, settings.user_agent)
     if settings.provider == "tavily":
         return TavilySearch(settings.tavily_api_key, settings.tavily_url, settings.allow_domains, settings.deny_domains)

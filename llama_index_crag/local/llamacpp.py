@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Type
+from typing import Any, AsyncIterator, Dict, Generator, List, Optional, Sequence, Type
 
 from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.llms import ChatMessage
@@ -18,7 +19,7 @@ try:
 except ImportError as exc:  # the optional [local] extra
     raise ImportError("in-process generation needs llama.cpp: pip install 'llama-index-crag[local]'") from exc
 
-from llama_index_crag.bundled import bundled_gguf_path
+from llama_index_crag.local.bundled import bundled_gguf_path
 
 # JSON forbids raw control characters inside strings; llama.cpp's JSON grammars allow any character
 # but the quote and the backslash, so a small model can emit a raw newline that no parser accepts.
@@ -120,6 +121,21 @@ class BundledLlamaCPP(LlamaCPP):
 
         return locked()
 
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        # llama.cpp has no async API: the blocking call runs in a worker thread, off the event loop.
+        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        tokens = await asyncio.to_thread(self.stream_complete, prompt, formatted, **kwargs)
+        return _pulled_in_threads(tokens)
+
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Any:
+        return await asyncio.to_thread(self.chat, messages, **kwargs)
+
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Any:
+        tokens = await asyncio.to_thread(self.stream_chat, messages, **kwargs)
+        return _pulled_in_threads(tokens)
+
     def structured_predict(
         self,
         output_cls: Type[Model],
@@ -145,3 +161,17 @@ class BundledLlamaCPP(LlamaCPP):
         **prompt_args: Any,
     ) -> Model:
         return await asyncio.to_thread(lambda: self.structured_predict(output_cls, prompt, llm_kwargs, **prompt_args))
+
+
+async def _pulled_in_threads(tokens: Generator[Any, None, None]) -> AsyncIterator[Any]:
+    """A blocking token stream as an async one: each token decoded in a worker thread, off the event loop.
+
+    When the reader stops early the stream is closed, so the model's lock is released as
+    soon as the token being decoded is done.
+    """
+    try:
+        while (token := await asyncio.to_thread(next, tokens, None)) is not None:
+            yield token
+    finally:
+        with contextlib.suppress(ValueError):  # still decoding in its thread: it closes when collected
+            tokens.close()

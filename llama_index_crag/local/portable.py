@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from llama_index_crag.bundled import bundled_gguf_path
+from llama_index_crag.errors import GeneratorUnavailable
+from llama_index_crag.local.bundled import bundled_gguf_path
 
 #: What ``make setup`` builds llama.cpp with: the instruction sets named rather than the build machine's.
 #: ``GGML_NATIVE`` (llama.cpp's default) compiles in the AMX and AVX-512 kernels the build machine reports,
@@ -57,10 +58,6 @@ class Check:
     @property
     def ok(self) -> bool:
         return self.status != FAIL
-
-
-class GeneratorUnavailable(RuntimeError):
-    """The bundled llama.cpp generator cannot run on this machine; the message names the cause and the fix."""
 
 
 def check_generation(

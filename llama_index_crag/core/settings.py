@@ -2,25 +2,44 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Mapping, Optional, Union
+from typing import Any, ClassVar, Dict, Literal, Mapping, Optional, Tuple, Union
 
-from llama_index.core.bridge.pydantic import BaseModel, Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from llama_index_crag.core.settings_sources import (
+    CommaList,
+    Environment,
+    Flag,
+    KillSwitch,
+    PatternList,
+    Sources,
+    Values,
+    current_sources,
+    described,
+    load_calibration,
+    reading,
+)
+from llama_index_crag.errors import ConfigError
 
 ENV_PREFIX = "CRAG_"
-CALIBRATION_VERSION = 1
+WEB_ENV = f"{ENV_PREFIX}WEB"
+CALIBRATION_ENV = f"{ENV_PREFIX}CALIBRATION"
 
 
-class CragSettings(BaseModel):
+class CragSettings(BaseSettings):
     """Every knob of the corrective loop, with its default.
 
+    Built from, highest first: constructor arguments, ``CRAG_<FIELD>`` variables, the
+    calibration file (``CRAG_CALIBRATION``), a scorer's defaults, then these defaults.
     ``upper`` and ``lower`` have no default here: they belong to a scorer and come
     from a calibration file (or the scorer's shipped defaults), never from a paper.
     """
 
-    enabled: bool = Field(default=True, description="False turns the engine into plain retrieve-then-generate.")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    enabled: Flag = Field(default=True, description="False turns the engine into plain retrieve-then-generate.")
     upper: float = Field(ge=0.0, le=1.0, description="Batch score at or above which retrieval is CORRECT.")
     lower: float = Field(ge=0.0, le=1.0, description="Batch score below which retrieval is INCORRECT.")
     aggregation: Literal["max", "mean", "count"] = Field(
@@ -40,17 +59,20 @@ class CragSettings(BaseModel):
     strip_min_tokens: int = Field(
         default=8, ge=1, description="Shortest knowledge strip, in words; shorter ones are merged."
     )
-    hybrid: bool = Field(default=False, description="On AMBIGUOUS, add fallback results to the refined strips.")
+    hybrid: Flag = Field(default=False, description="On AMBIGUOUS, add fallback results to the refined strips.")
     on_no_strips: Literal["original", "incorrect"] = Field(
         default="original",
         description="On AMBIGUOUS when no strip clears the strip threshold: generate from the original candidates "
         "(the seed design), or treat retrieval as INCORRECT (rewrite, fall back, or abstain).",
     )
-    explain: bool = Field(
+    explain: Flag = Field(
         default=False,
         description="Put each candidate's explanation (features, contributions, missing query words) in the trace.",
     )
     correction_timeout_s: float = Field(default=30.0, gt=0, description="Time budget of the whole correction path.")
+    # The one query limit: the server refuses with this value too. 8,000 characters (about 1,500 words) leaves
+    # room for a question that quotes a paragraph or an error log; anything longer is a document, not a question,
+    # and embedding and grading it would cost every other query on the machine its time.
     max_query_chars: int = Field(default=8000, ge=1, description="Longer queries are refused with a clear error.")
     answer_mode: Optional[Literal["extract", "generate"]] = Field(
         default=None,
@@ -58,7 +80,7 @@ class CragSettings(BaseModel):
         "generate: the synthesizer's answer, checked against its sources. None: extract when the generator is "
         "the bundled small model or there is none, else generate.",
     )
-    check_answers: bool = Field(
+    check_answers: Flag = Field(
         default=True, description="Check every generated answer against the passages it was generated from."
     )
     on_ungrounded: Literal["flag", "extract", "abstain"] = Field(
@@ -66,7 +88,7 @@ class CragSettings(BaseModel):
         description="What an answer that fails the check becomes: kept and flagged, replaced by the quoted "
         "evidence, or an abstention.",
     )
-    check_with_grader: bool = Field(
+    check_with_grader: Flag = Field(
         default=False,
         description="The check also scores each answer sentence against the passages with the grader's scorer.",
     )
@@ -75,6 +97,31 @@ class CragSettings(BaseModel):
         default="I don't know. The documents I can search do not answer this question.",
         description="The answer given when the engine abstains.",
     )
+
+    @model_validator(mode="after")
+    def _ordered_thresholds(self) -> CragSettings:
+        if self.lower > self.upper:
+            raise ValueError(f"CRAG thresholds need lower <= upper, got lower={self.lower}, upper={self.upper}")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> Tuple[PydanticBaseSettingsSource, ...]:
+        """Constructor, environment, calibration file, scorer defaults: no ``.env`` or secrets files."""
+        sources = current_sources()
+        path = sources.calibration_path or sources.env.get(CALIBRATION_ENV)
+        return (
+            init_settings,
+            Environment(settings_cls, sources.env, {}),
+            Values(settings_cls, load_calibration(path, sources.scorer_name) if path else {}),
+            Values(settings_cls, sources.scorer_defaults or {}),
+        )
 
     @classmethod
     def resolve(
@@ -87,33 +134,29 @@ class CragSettings(BaseModel):
     ) -> CragSettings:
         """Merge the sources, highest first: ``overrides`` (constructor arguments that
         are not None), ``CRAG_*`` variables, the calibration file (``calibration_path``
-        or ``CRAG_CALIBRATION``), then ``scorer_defaults`` and the field defaults."""
-        environ = os.environ if environ is None else environ
-        merged: Dict[str, Any] = dict(scorer_defaults or {})
-        path = calibration_path or environ.get(f"{ENV_PREFIX}CALIBRATION")
-        if path:
-            merged.update(load_calibration(path, scorer_name))
-        merged.update(_from_env(environ))
-        merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        if "upper" not in merged or "lower" not in merged:
-            raise ValueError(
-                f"no thresholds for scorer {scorer_name!r}: pass upper= and lower=, set CRAG_UPPER and "
-                "CRAG_LOWER, or give a calibration file (calibration_path= or CRAG_CALIBRATION)"
-            )
-        try:
-            settings = cls(**merged)
-        except ValidationError as exc:
-            raise ValueError(f"invalid CRAG settings: {exc}") from exc
-        if settings.lower > settings.upper:
-            raise ValueError(f"CRAG thresholds need lower <= upper, got lower={settings.lower}, upper={settings.upper}")
-        return settings
+        or ``CRAG_CALIBRATION``, refused when fitted for another scorer than
+        ``scorer_name``), then ``scorer_defaults`` and the field defaults.
+
+        Raises:
+            ConfigError: a value that cannot be used, naming the variable or keyword it came from.
+        """
+        given = {k: v for k, v in (overrides or {}).items() if v is not None}
+        with reading(Sources(environ, calibration_path, scorer_name, scorer_defaults)) as env:
+            try:
+                return cls(**given)
+            except ValidationError as exc:
+                if {e["loc"] for e in exc.errors() if e["type"] == "missing"} & {("upper",), ("lower",)}:
+                    raise ConfigError(
+                        f"no thresholds for scorer {scorer_name!r}: pass upper= and lower=, set CRAG_UPPER and "
+                        "CRAG_LOWER, or give a calibration file (calibration_path= or CRAG_CALIBRATION)"
+                    ) from exc
+                raise ConfigError(f"invalid CRAG settings: {described(cls, exc, env)}") from exc
 
 
-WEB_ENV = f"{ENV_PREFIX}WEB"
 WebProvider = Literal["searxng", "tavily", "duckduckgo"]
 
 
-class WebSearchSettings(BaseModel):
+class WebSearchSettings(BaseSettings):
     """The opt-in web-search fallback: provider, allow and deny lists, budgets, privacy.
 
     Resolved in the same order as ``CragSettings``: constructor, then ``CRAG_WEB``
@@ -122,8 +165,15 @@ class WebSearchSettings(BaseModel):
     administrator's ``CRAG_WEB_FORBIDDEN=true`` cannot be overridden by code.
     """
 
-    enabled: bool = Field(default=False, description="Search the web on the fallback path (CRAG_WEB=on).")
-    forbidden: bool = Field(
+    model_config = SettingsConfigDict(env_prefix=f"{WEB_ENV}_", extra="forbid")
+    #: Documented variables that are not ``CRAG_WEB_<FIELD>``, and the one each stands for when that is unset.
+    env_aliases: ClassVar[Dict[str, str]] = {
+        WEB_ENV: f"{WEB_ENV}_ENABLED",
+        "TAVILY_API_KEY": f"{WEB_ENV}_TAVILY_API_KEY",
+    }
+
+    enabled: Flag = Field(default=False, description="Search the web on the fallback path (CRAG_WEB=on).")
+    forbidden: Flag = Field(
         default=False, description="Send nothing off the machine, whatever else says so (CRAG_WEB_FORBIDDEN=true)."
     )
     provider: WebProvider = Field(default="searxng", description="Search provider: searxng, tavily or duckduckgo.")
@@ -131,11 +181,11 @@ class WebSearchSettings(BaseModel):
     tavily_api_key: Optional[str] = Field(default=None, description="Tavily API key (else TAVILY_API_KEY).", repr=False)
     tavily_url: Optional[str] = Field(default=None, description="Tavily API base URL (default: Tavily's own).")
     duckduckgo_region: str = Field(default="wt-wt", description="DuckDuckGo region, e.g. us-en, de-de, wt-wt.")
-    allow_domains: List[str] = Field(
+    allow_domains: CommaList = Field(
         default_factory=list,
         description="Only these domains (and their subdomains) are fetched; empty allows any domain not denied.",
     )
-    deny_domains: List[str] = Field(
+    deny_domains: CommaList = Field(
         default_factory=list, description="These domains (and their subdomains) are never fetched; wins over allow."
     )
     max_results: int = Field(default=5, ge=1, le=50, description="Search results considered (pages fetched) a query.")
@@ -145,14 +195,27 @@ class WebSearchSettings(BaseModel):
     timeout_s: float = Field(default=5.0, gt=0, description="Timeout of every single HTTP call.")
     deadline_s: float = Field(default=15.0, gt=0, description="Time budget of one web search, pages included.")
     concurrency: int = Field(default=4, ge=1, le=32, description="Pages fetched at once.")
-    redact_patterns: List[str] = Field(
+    redact_patterns: PatternList = Field(
         default_factory=list,
         description="Regular expressions removed from the query before it is sent (in the environment, one a line).",
     )
-    allow_private_addresses: bool = Field(
+    allow_private_addresses: Flag = Field(
         default=False, description="Fetch loopback and private addresses (tests and intranet search only)."
     )
     user_agent: str = Field(default="llama-index-crag web fallback", description="User-Agent of page fetches.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> Tuple[PydanticBaseSettingsSource, ...]:
+        """The kill switch, then constructor, then environment: no ``.env`` or secrets files."""
+        environment = Environment(settings_cls, current_sources().env, cls.env_aliases)
+        return KillSwitch(settings_cls, environment), init_settings, environment
 
     @classmethod
     def resolve(
@@ -165,8 +228,10 @@ class WebSearchSettings(BaseModel):
         A bool is ``enabled``; a dict or a ``WebSearchSettings`` turns the web on unless it
         says ``enabled: False`` (configuring a provider and then getting no search, silently,
         is what nobody means).
+
+        Raises:
+            ConfigError: an unknown field, or a value that cannot be used, naming the variable it came from.
         """
-        environ = os.environ if environ is None else environ
         if isinstance(overrides, WebSearchSettings):
             given: Dict[str, Any] = {"enabled": True, **overrides.model_dump(exclude_unset=True)}
         elif isinstance(overrides, bool):
@@ -177,84 +242,9 @@ class WebSearchSettings(BaseModel):
             given = {"enabled": True, **dict(overrides)}
         unknown = set(given) - set(cls.model_fields)
         if unknown:
-            raise ValueError(f"unknown web settings {sorted(unknown)}; see WebSearchSettings for the names")
-        merged = _web_from_env(environ)
-        merged.update({k: v for k, v in given.items() if v is not None})
-        merged["forbidden"] = bool(given.get("forbidden")) or bool(_web_from_env(environ).get("forbidden"))
-        try:
-            return cls(**merged)
-        except ValidationError as exc:
-            raise ValueError(f"invalid web settings: {exc}") from exc
-
-
-def _web_from_env(environ: Mapping[str, str]) -> Dict[str, Any]:
-    found: Dict[str, Any] = {}
-    if WEB_ENV in environ:
-        found["enabled"] = _parse_bool("web", environ[WEB_ENV])
-    if environ.get("TAVILY_API_KEY"):
-        found["tavily_api_key"] = environ["TAVILY_API_KEY"]
-    for name, field in WebSearchSettings.model_fields.items():
-        raw = environ.get(f"{WEB_ENV}_{name.upper()}")
-        if raw is None or name == "enabled":
-            continue
-        if field.annotation is bool:
-            found[name] = _parse_bool(f"web_{name}", raw)
-        elif name.endswith("_domains"):
-            found[name] = [item.strip() for item in raw.split(",") if item.strip()]
-        elif name == "redact_patterns":
-            found[name] = [line for line in raw.splitlines() if line.strip()]
-        else:
-            found[name] = raw
-    return found
-
-
-_BOOLEANS = ("enabled", "hybrid", "explain", "check_answers", "check_with_grader")
-
-
-def _from_env(environ: Mapping[str, str]) -> Dict[str, Any]:
-    found: Dict[str, Any] = {}
-    for name in CragSettings.model_fields:
-        raw = environ.get(f"{ENV_PREFIX}{name.upper()}")
-        if raw is not None:
-            found[name] = _parse_bool(name, raw) if name in _BOOLEANS else raw
-    return found
-
-
-def _parse_bool(name: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean: use true or false")
-
-
-def read_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, Any]:
-    """Read a calibration file whole, refusing one of another version or fitted for another scorer."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise ValueError(f"calibration file {path} does not exist") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"calibration file {path} is not valid JSON: {exc}") from exc
-    version = data.get("version")
-    if version != CALIBRATION_VERSION:
-        raise ValueError(
-            f"calibration file {path} has version {version!r}; this release reads version {CALIBRATION_VERSION}"
-        )
-    if scorer_name is not None and data.get("scorer") != scorer_name:
-        raise ValueError(
-            f"calibration file {path} was fitted for scorer {data.get('scorer')!r}, not {scorer_name!r}: "
-            "calibrate again for this scorer"
-        )
-    missing = [k for k in ("upper", "lower") if k not in data.get("thresholds", {})]
-    if missing:
-        raise ValueError(f"calibration file {path} lacks thresholds {missing}")
-    return dict(data)
-
-
-def load_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, Any]:
-    """The thresholds of a calibration file (see ``read_calibration``)."""
-    thresholds = read_calibration(path, scorer_name)["thresholds"]
-    return {k: thresholds[k] for k in ("upper", "lower", "aggregation", "strip_threshold") if k in thresholds}
+            raise ConfigError(f"unknown web settings {sorted(unknown)}; see WebSearchSettings for the names")
+        with reading(Sources(environ)) as env:
+            try:
+                return cls(**{k: v for k, v in given.items() if v is not None})
+            except ValidationError as exc:
+                raise ConfigError(f"invalid web settings: {described(cls, exc, env)}") from exc

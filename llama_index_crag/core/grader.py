@@ -12,8 +12,8 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
+from llama_index_crag.core.trace import CragGradeEvent
 from llama_index_crag.scorers.base import RelevanceScorer
-from llama_index_crag.trace import CragGradeEvent
 
 dispatcher = get_dispatcher(__name__)
 

@@ -10,8 +10,8 @@ import httpx
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.llms import LLM
 
-from llama_index_crag.bundled import bundled_embedding_path, bundled_gguf_path
-from llama_index_crag.portable import require_generation
+from llama_index_crag.local.bundled import bundled_embedding_path, bundled_gguf_path
+from llama_index_crag.local.portable import require_generation
 
 DEFAULT_OLLAMA_URL = "http://localhost:11434"
 DEFAULT_OLLAMA_MODEL = "qwen2.5:3b"
@@ -72,7 +72,7 @@ def default_llm(
     path = Path(gguf) if gguf else bundled_gguf_path()
     if check:
         require_generation(path)
-    from llama_index_crag.llamacpp import BundledLlamaCPP
+    from llama_index_crag.local.llamacpp import BundledLlamaCPP
 
     which = f"the GGUF {path}" if gguf else f"the bundled {path.name}"
     return (

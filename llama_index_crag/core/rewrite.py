@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from llama_index.core.bridge.pydantic import BaseModel, Field
 from llama_index.core.llms import LLM
-from llama_index.core.prompts import PromptTemplate
+from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
+from llama_index.core.prompts.mixin import PromptDictType, PromptMixin, PromptMixinType
 
-from llama_index_crag.datasets import clean_text
-from llama_index_crag.models import describe_llm
+from llama_index_crag.errors import RewriteError
+from llama_index_crag.local.models import describe_llm
 from llama_index_crag.scorers.evidence import terms
+from llama_index_crag.stores.chunking import clean_text
 
 DEFAULT_REWRITE_PROMPT = PromptTemplate(
     "You rewrite search queries so that a document search finds the passages that answer them.\n"
@@ -25,11 +27,7 @@ class RewrittenQuery(BaseModel):
     query: str = Field(description="The rewritten search query, in the language of the original.")
 
 
-class RewriteError(RuntimeError):
-    """The rewrite failed; the engine records ``str(error)`` and searches with the question's keywords instead."""
-
-
-class QueryRewriter:
+class QueryRewriter(PromptMixin):
     """Rewrites a query once through the LLM's structured output (``RewrittenQuery``).
 
     Any failure raises ``RewriteError`` with a reason: the call raised, the output was
@@ -39,12 +37,23 @@ class QueryRewriter:
 
     Args:
         llm: The LLM to rewrite with (the engine's generator by default).
-        prompt: A template with a ``{query}`` variable.
+        prompt: A template with a ``{query}`` variable; a prompt module of the engine
+            (``engine.get_prompts()["rewrite:rewrite_prompt"]``, changed with ``update_prompts``).
     """
 
-    def __init__(self, llm: LLM, prompt: PromptTemplate = DEFAULT_REWRITE_PROMPT) -> None:
+    def __init__(self, llm: LLM, prompt: BasePromptTemplate = DEFAULT_REWRITE_PROMPT) -> None:
         self.llm = llm
         self.prompt = prompt
+
+    def _get_prompts(self) -> PromptDictType:
+        return {"rewrite_prompt": self.prompt}
+
+    def _get_prompt_modules(self) -> PromptMixinType:
+        return {}
+
+    def _update_prompts(self, prompts_dict: PromptDictType) -> None:
+        if "rewrite_prompt" in prompts_dict:
+            self.prompt = prompts_dict["rewrite_prompt"]
 
     def rewrite(self, query: str) -> str:
         """Return the rewritten query or raise ``RewriteError``."""

@@ -31,7 +31,9 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.llms import LLM
 from llama_index.core.schema import BaseNode, MetadataMode
 
-from llama_index_crag.datasets import clean_text, load_documents
+from llama_index_crag.datasets import load_documents
+from llama_index_crag.errors import IndexFolderError
+from llama_index_crag.stores.chunking import clean_text, splitter
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -41,10 +43,6 @@ CORPUS_STATS = "corpus_stats.json"
 CALIBRATION = "calibration.json"
 #: Files a folder of documents may hold; others are skipped and counted.
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".html", ".htm", ".csv", ".json")
-
-
-class IndexFolderError(ValueError):
-    """The folder is not a persisted index this version can load, or the documents cannot be read."""
 
 
 @dataclass
@@ -126,8 +124,8 @@ def _html_text(html: str) -> str:
 
 def _embedder(index_dir: Path, embed_model: Optional[BaseEmbedding], read_only: bool = False) -> BaseEmbedding:
     """The embedding model with the folder's passage vectors; serving reads them and never writes the file."""
-    from llama_index_crag.embedding_cache import DiskCachedEmbedding
-    from llama_index_crag.models import default_embed_model
+    from llama_index_crag.local.embedding_cache import DiskCachedEmbedding
+    from llama_index_crag.local.models import default_embed_model
 
     return DiskCachedEmbedding(embed_model or default_embed_model(), index_dir / EMBEDDINGS, read_only=read_only)
 
@@ -181,7 +179,9 @@ def ingest(
     if (index_dir / MANIFEST).exists():
         old = _manifest(index_dir)
         index = load_index_from_storage(
-            StorageContext.from_defaults(persist_dir=str(index_dir / STORAGE)), embed_model=embedder
+            StorageContext.from_defaults(persist_dir=str(index_dir / STORAGE)),
+            embed_model=embedder,
+            transformations=[splitter()],
         )
         current = {d.id_ for d in documents}
         for doc_id in sorted(set(old.get("documents", {})) - current):
@@ -197,7 +197,9 @@ def ingest(
             else:
                 report.added.append(document.id_)
     else:
-        index = VectorStoreIndex.from_documents(documents, embed_model=embedder, show_progress=progress)
+        index = VectorStoreIndex.from_documents(
+            documents, embed_model=embedder, transformations=[splitter()], show_progress=progress
+        )
         report.added = [d.id_ for d in documents]
     index.storage_context.persist(persist_dir=str(index_dir / STORAGE))
     nodes = list(index.docstore.docs.values())
@@ -210,7 +212,7 @@ def ingest(
     if calibration:
         shutil.copyfile(calibration, index_dir / CALIBRATION)
     if warm_fallback:
-        from llama_index_crag.fallback import FallbackRetriever
+        from llama_index_crag.core.fallback import FallbackRetriever
 
         FallbackRetriever.from_nodes(nodes, embed_model=embedder).retrieve("warm the sentence windows")
     report.seconds = round(time.monotonic() - started, 2)
@@ -276,9 +278,13 @@ def load_index(index_dir: Path | str, embed_model: Optional[BaseEmbedding] = Non
 def load_engine(loaded: LoadedIndex, llm: Optional[LLM], **settings: Any) -> Any:
     """The engine over a loaded index: its scorer (the recorded grader, else the evidence scorer) with the
     persisted corpus statistics, its calibration, and the fallback over its chunks."""
-    from llama_index_crag.engine import CorrectiveQueryEngine, default_scorer
+    from llama_index_crag.core.engine import CorrectiveQueryEngine
+    from llama_index_crag.scorers.evidence import EvidenceScorer
+    from llama_index_crag.scorers.registry import default_scorer
 
     scorer = default_scorer(loaded.embed_model, grader=loaded.manifest.get("grader"))
+    if not isinstance(scorer, EvidenceScorer):  # every default (evidence, a reader cascade) weighs words by IDF
+        raise IndexFolderError(f"{loaded.index_dir}: the grader {scorer.name} cannot use the index's word statistics")
     scorer.load_corpus_stats(json.loads((loaded.index_dir / CORPUS_STATS).read_text()))
     return CorrectiveQueryEngine.from_defaults(
         index=loaded.index,

@@ -1,14 +1,16 @@
-"""Exact dense search over nodes held as one contiguous matrix: a matrix-vector product, then a partial sort."""
+"""In-memory search: exact dense search over one contiguous matrix, and sentence windows over it."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import List, Sequence, Tuple
+import threading
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
+from llama_index.core.node_parser import SentenceWindowNodeParser
+from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TextNode
 
 
 def top_k(matrix: np.ndarray, query: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -65,3 +67,62 @@ class MatrixRetriever(BaseRetriever):
                 query_bundle.embedding_strs
             )
         return await asyncio.to_thread(self._hits, query_bundle)
+
+
+class SentenceWindowRetriever(BaseRetriever):
+    """Sentence-level dense retrieval, each hit widened to its surrounding window.
+
+    Small passages embed more precisely than whole chunks, so a fact buried in a long
+    chunk can be found; the window gives the generator enough context to use it.
+    """
+
+    def __init__(
+        self,
+        nodes: Sequence[BaseNode],
+        embed_model: Optional[BaseEmbedding] = None,
+        window_size: int = 3,
+        similarity_top_k: int = 5,
+    ) -> None:
+        self._nodes = list(nodes)
+        self._embed_model = embed_model
+        self._window_size = window_size
+        self._top_k = similarity_top_k
+        self._index_retriever: Optional[BaseRetriever] = None
+        self._lock = threading.Lock()
+        super().__init__()
+
+    def _inner(self) -> BaseRetriever:
+        with self._lock:
+            if self._index_retriever is None:
+                from llama_index_crag.local.models import default_embed_model
+
+                # One contiguous matrix product over every window (tens of ms on SciFact's 47,578 windows,
+                # against about two seconds through SimpleVectorStore's per-vector loop).
+                self._index_retriever = MatrixRetriever(
+                    sentence_windows(self._nodes, self._window_size),
+                    self._embed_model or default_embed_model(),
+                    self._top_k * 2,
+                )
+            return self._index_retriever
+
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        return _widen(self._inner().retrieve(query_bundle))
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        return await asyncio.to_thread(self._retrieve, query_bundle)
+
+
+def sentence_windows(nodes: Sequence[BaseNode], window_size: int = 3) -> List[BaseNode]:
+    """The sentence nodes of ``nodes``, each carrying its window of ``window_size`` neighbours either side."""
+    parser = SentenceWindowNodeParser.from_defaults(window_size=window_size)
+    documents = [Document(text=n.get_content(), metadata=dict(n.metadata), id_=n.node_id) for n in nodes]
+    return parser.get_nodes_from_documents(documents)
+
+
+def _widen(hits: List[NodeWithScore]) -> List[NodeWithScore]:
+    widened = []
+    for hit in hits:
+        metadata = {k: v for k, v in hit.node.metadata.items() if k not in ("window", "original_text")}
+        text = hit.node.metadata.get("window") or hit.node.get_content()
+        widened.append(NodeWithScore(node=TextNode(text=text, metadata=metadata), score=hit.score))
+    return widened

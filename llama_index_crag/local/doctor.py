@@ -10,8 +10,8 @@ import time
 from dataclasses import asdict
 from typing import Callable, List, Optional, Sequence
 
-from llama_index_crag.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL, ollama_has_model
-from llama_index_crag.portable import (
+from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL, ollama_has_model
+from llama_index_crag.local.portable import (
     FAIL,
     NON_PORTABLE_FEATURES,
     OK,
@@ -66,7 +66,7 @@ def _check_torch() -> Check:
 def _check_embedding() -> Check:
     start = time.perf_counter()
     try:
-        from llama_index_crag.models import default_embed_model
+        from llama_index_crag.local.models import default_embed_model
 
         vector = default_embed_model().get_text_embedding("How long is Vell Blue aged?")
     except Exception as exc:
@@ -89,7 +89,7 @@ def _check_grader() -> Check:
     """Which grader ``from_defaults()`` will use here, loaded for real (``CRAG_GRADER`` chooses another)."""
     start = time.perf_counter()
     try:
-        from llama_index_crag.engine import default_scorer
+        from llama_index_crag.scorers.registry import default_scorer
 
         scorer = default_scorer()
         scorer.score_texts("How long is Vell Blue aged?", ["Vell Blue is aged for nine weeks in limestone caves."])

@@ -1,4 +1,8 @@
-"""The decision trace of one query, its instrumentation events, and its Prometheus metrics."""
+"""The decision trace of one query and its instrumentation events.
+
+The library registers no metric: Prometheus counts these events where a program installs
+``llama_index_crag.server.metrics.PrometheusEventHandler`` (the server does).
+"""
 
 from __future__ import annotations
 
@@ -8,22 +12,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
 from llama_index.core.instrumentation.events.base import BaseEvent
-from prometheus_client import Counter, Histogram
 
 STAGES = ("retrieve", "rerank", "grade", "refine", "rewrite", "fallback", "regrade", "generate", "extract", "check")
 CORRECTION_STAGES = ("grade", "refine", "rewrite", "fallback", "regrade", "check")
-
-ACTIONS = Counter(
-    "crag_actions_total",
-    "Queries by the corrective action taken (correct, ambiguous, incorrect, disabled).",
-    ["action", "abstained"],
-)
-STAGE_SECONDS = Histogram(
-    "crag_stage_seconds",
-    "Time spent in each stage of the corrective loop; stage 'crag' is the correction's own cost.",
-    ["stage"],
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
-)
 
 
 class CragGradeEvent(BaseEvent):
@@ -51,6 +42,8 @@ class CragActionEvent(BaseEvent):
     rewritten_query: Optional[str] = None
     fallback_sources: List[str] = []
     crag_ms: float
+    #: Milliseconds spent in each stage (the keys of the trace's ``timings_ms``, without ``crag_ms``).
+    timings_ms: Dict[str, float] = {}
 
     @classmethod
     def class_name(cls) -> str:
@@ -149,12 +142,8 @@ class CragTrace:
         }
         return data
 
-    def publish(self) -> CragActionEvent:
-        """Update the Prometheus metrics and build the action event."""
-        ACTIONS.labels(action=self.action, abstained=str(self.abstained).lower()).inc()
-        for stage, ms in self.timings_ms.items():
-            STAGE_SECONDS.labels(stage=stage).observe(ms / 1000.0)
-        STAGE_SECONDS.labels(stage="crag").observe(self.crag_ms / 1000.0)
+    def action_event(self) -> CragActionEvent:
+        """The event that reports the action carried out, with the time of each stage."""
         return CragActionEvent(
             query=self.query,
             action=self.action,
@@ -163,4 +152,5 @@ class CragTrace:
             rewritten_query=self.rewritten_query,
             fallback_sources=self.fallback_sources,
             crag_ms=self.crag_ms,
+            timings_ms=dict(self.timings_ms),
         )

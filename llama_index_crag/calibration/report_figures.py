@@ -1,0 +1,137 @@
+"""What the grade report says of a scorer's out-of-sample outcome: its figures, a Markdown table and a plot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+from llama_index_crag.calibration.fit import IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE, Batch
+from llama_index_crag.core.grader import Verdict, band
+
+KINDS = (IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE)
+
+
+@dataclass
+class Outcome:
+    """Out-of-sample batch scores of one scorer, with the thresholds each score was judged by."""
+
+    scorer: str
+    normalization: str
+    batches: List[Batch]
+    aggregate: np.ndarray
+    upper: np.ndarray
+    lower: np.ndarray
+    pairs_per_second: float
+    strips: Optional[Dict[str, Any]] = None
+
+
+def _auroc(positive: np.ndarray, negative: np.ndarray) -> Optional[float]:
+    if not len(positive) or not len(negative):
+        return None
+    from sklearn.metrics import roc_auc_score
+
+    return float(roc_auc_score([1] * len(positive) + [0] * len(negative), np.concatenate([positive, negative])))
+
+
+def figures(outcome: Outcome) -> Dict[str, Any]:
+    """AUROC, accuracy and the three-band confusion matrix of one scorer's outcome."""
+    kinds = np.asarray([b.kind for b in outcome.batches])
+    verdicts = np.asarray([band(s, u, lo).value for s, u, lo in zip(outcome.aggregate, outcome.upper, outcome.lower)])
+    confusion = {k: {v.value: int(((kinds == k) & (verdicts == v.value)).sum()) for v in Verdict} for k in KINDS}
+    answered = verdicts != Verdict.INCORRECT.value
+    right = np.where(kinds == IN_CORPUS, answered, ~answered)
+    rows: Dict[str, Any] = {}
+    for other in (OUT_OF_CORPUS, UNANSWERABLE):
+        mask = (kinds == IN_CORPUS) | (kinds == other)
+        if (kinds == other).any():
+            rows[other] = {
+                "auroc": _auroc(outcome.aggregate[kinds == IN_CORPUS], outcome.aggregate[kinds == other]),
+                "accuracy": float(right[mask].mean()),
+                "batches": int(mask.sum()),
+            }
+    return {
+        "scorer": outcome.scorer,
+        "normalization": outcome.normalization,
+        "rows": rows,
+        "three_band_accuracy": float(right.mean()),
+        "accuracy_ceiling": accuracy_ceiling(outcome.aggregate, kinds == IN_CORPUS),
+        "confusion": confusion,
+        "pairs_per_second": round(outcome.pairs_per_second, 1),
+        "thresholds_mean": {"upper": float(outcome.upper.mean()), "lower": float(outcome.lower.mean())},
+        "batches": [
+            {"qid": b.question.qid, "kind": b.kind, "score": round(float(s), 6), "verdict": v}
+            for b, s, v in zip(outcome.batches, outcome.aggregate, verdicts)
+        ],
+    }
+
+
+def accuracy_ceiling(scores: np.ndarray, answerable: np.ndarray) -> Dict[str, Optional[float]]:
+    """The best three-band accuracy any single ``lower`` threshold reaches on these scores, and that threshold.
+
+    Chosen on the very rows it is measured on, so it is a bound, not a result: it
+    says whether better thresholds could reach an accuracy target or only a better
+    scorer can. A batch is right when it is answerable and scores at or above the
+    threshold, or not answerable and scores below it (``upper`` does not change
+    whether a batch is answered).
+    """
+    if not len(scores):
+        return {"accuracy": None, "lower": None}
+    order = np.argsort(scores, kind="stable")
+    ranked, positive = scores[order], answerable[order].astype(int)
+    # Threshold at ranked[i]: rows before i are judged incorrect, rows from i on answered.
+    negatives_below = np.concatenate([[0], np.cumsum(1 - positive)])
+    positives_from = np.concatenate([np.cumsum(positive[::-1])[::-1], [0]])
+    starts = np.flatnonzero(np.concatenate([[True], ranked[1:] != ranked[:-1], [True]]))
+    right = negatives_below[starts] + positives_from[starts]
+    best = int(np.argmax(right))
+    lower = float(ranked[starts[best]]) if starts[best] < len(ranked) else float(np.nextafter(ranked[-1], np.inf))
+    return {"accuracy": float(right[best] / len(scores)), "lower": lower}
+
+
+def table(results: Sequence[Mapping[str, Any]]) -> str:
+    """The report as a Markdown table: one row per scorer and comparison."""
+    lines = [
+        "| scorer | row | AUROC | accuracy | batches | three-band accuracy | ceiling | pairs/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        for row, values in result["rows"].items():
+            auroc = "-" if values["auroc"] is None else f"{values['auroc']:.3f}"
+            scorer = f"{result['scorer']} (default)" if result.get("default") else result["scorer"]
+            lines.append(
+                f"| {scorer} | {row} | {auroc} | {values['accuracy']:.3f} | {values['batches']} "
+                f"| {result['three_band_accuracy']:.3f} | {_ceiling(result)} | {result['pairs_per_second']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def _ceiling(result: Mapping[str, Any]) -> str:
+    value = result["accuracy_ceiling"]["accuracy"]
+    return "-" if value is None else f"{value:.3f}"
+
+
+def plot(outcomes: Sequence[Outcome], path: Path) -> None:
+    """Score distributions of the classes, one panel per scorer, thresholds drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(outcomes), 1, figsize=(8, 3 * len(outcomes)), squeeze=False)
+    for ax, outcome in zip(axes[:, 0], outcomes):
+        kinds = np.asarray([b.kind for b in outcome.batches])
+        for kind, colour in zip(KINDS, ("tab:green", "tab:red", "tab:orange")):
+            values = outcome.aggregate[kinds == kind]
+            if len(values):
+                ax.hist(values, bins=30, range=(0, 1), alpha=0.5, color=colour, label=f"{kind} ({len(values)})")
+        ax.axvline(float(outcome.upper.mean()), color="black", linestyle="--", label="upper")
+        ax.axvline(float(outcome.lower.mean()), color="grey", linestyle=":", label="lower")
+        ax.set_title(outcome.scorer)
+        ax.set_xlabel("batch score (max over candidates)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,33 @@
+"""The ``llama-crag`` command line: the parser and the entry point; each command lives in the module named for it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from llama_index_crag.cli import demo, grading, store
+from llama_index_crag.errors import CragError
+from llama_index_crag.evaluation.command import add_eval_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``llama-crag``."""
+    parser = argparse.ArgumentParser(prog="llama-crag", description="Corrective RAG for LlamaIndex.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo.add_parsers(commands)
+    grading.add_parsers(commands)
+    store.add_parsers(commands)
+    add_eval_parser(commands)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``llama-crag``: a problem the user can fix (a ``CragError``, or a missing file such as a
+    dataset) is printed as one line and exits 2; anything else is a bug and keeps its traceback."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except (CragError, FileNotFoundError) as exc:
+        print(f"llama-crag: {exc}", file=sys.stderr)
+        return 2

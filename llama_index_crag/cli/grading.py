@@ -1,0 +1,283 @@
+"""``llama-crag`` commands that build and measure a grader: calibrate, train-grader, pack-grader, grade-report,
+grade-pairs, and snippets (the hardest test set for grade-report)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from llama_index_crag.errors import ConfigError
+
+
+def add_parsers(commands: Any) -> None:
+    """Add the grading commands to ``llama-crag``'s subparsers."""
+    calibrate = commands.add_parser("calibrate", help="fit the thresholds (and learned weights) on a labelled set")
+    _add_dataset_options(calibrate)
+    calibrate.add_argument("--scorer", default="evidence", help="evidence, bi-encoder, llm-judge, cross-encoder:MODEL")
+    calibrate.add_argument("--split", default=None, help="fit only on questions of this split (e.g. train)")
+    calibrate.add_argument(
+        "--synthetic",
+        type=int,
+        default=None,
+        metavar="N",
+        help="no labels needed: make N questions from the corpus's own sentences (named dates, people, numbers...) "
+        "and fit on them; questions.jsonl is not read",
+    )
+    calibrate.add_argument("--out", default="calibration.json", help="where to write the calibration file")
+    calibrate.set_defaults(run=_calibrate)
+
+    train = commands.add_parser(
+        "train-grader",
+        help="train a reading grader (a cross-encoder) on CPU from your corpus alone",
+        description="Reads labelled question-passage pairs (--pairs-file) and/or makes pairs from a corpus (hard "
+        "negatives included), fine-tunes the bundled MiniLM on them under a time budget, keeps the best "
+        "checkpoint by held-out AUROC, and writes a grader directory for calibrate --scorer reader:DIR or "
+        "CRAG_GRADER. Run it again to resume.",
+    )
+    train.add_argument(
+        "--pairs-file",
+        default=None,
+        metavar="FILE",
+        help="labelled pairs, one JSON object a line: question, passage, label (1 answers), optional source, "
+        "kind, title; a tenth of each source is held out by article or question",
+    )
+    train.add_argument(
+        "--corpus", default=None, help="folder with corpus.jsonl: pairs made from it (mixed in with --pairs-file)"
+    )
+    train.add_argument("--out", required=True, help="the grader directory to write (and resume from)")
+    train.add_argument("--minutes", type=float, default=40.0, help="hard time budget for training")
+    train.add_argument("--pairs", type=int, default=20_000, help="pairs to make from --corpus (about a third positive)")
+    train.add_argument(
+        "--claims", type=float, default=0.15, help="share of questions made as claims (raise it if users type claims)"
+    )
+    train.add_argument("--epochs", type=float, default=1.0, help="passes over the training pairs")
+    train.add_argument("--max-length", type=int, default=128, help="tokens of question and passage together")
+    train.add_argument("--batch-size", type=int, default=16, help="pairs a step")
+    train.add_argument("--lr", type=float, default=5e-5, help="peak encoder learning rate (warm-up, decay)")
+    train.add_argument("--train-layers", type=int, default=6, help="top encoder layers trained (6: all of MiniLM)")
+    train.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    train.add_argument("--seed", type=int, default=0, help="seed for pairs, order and initialisation")
+    train.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU (inference stays on CPU)")
+    train.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
+    train.set_defaults(run=_train_grader)
+
+    report = commands.add_parser("grade-report", help="measure the grader alone, out of sample")
+    _add_dataset_options(report)
+    report.add_argument("--scorers", default="evidence,bi-encoder", help="comma-separated scorers to compare")
+    report.add_argument("--calibration", default=None, help="use this file's thresholds on the rows it was not fit on")
+    report.add_argument("--folds", type=int, default=5, help="cross-validation folds when no calibration is given")
+    report.add_argument("--judge-limit", type=int, default=40, help="batches the (slow) LLM judge grades")
+    report.add_argument("--out", default="grade-report", help="folder for the JSON, Markdown and PNG")
+    report.set_defaults(run=_grade_report)
+    pairs = commands.add_parser(
+        "grade-pairs",
+        help="measure the grader on labelled pairs held out from training (the split train-grader uses)",
+    )
+    pairs.add_argument("--pairs-file", required=True, help="JSONL of question, passage, label (source, title)")
+    pairs.add_argument("--scorers", default="evidence,reader", help="comma-separated scorers (default comes first)")
+    pairs.add_argument("--folds", type=int, default=5, help="cross-validation folds for fitted scorers")
+    pairs.add_argument("--limit", type=int, default=None, help="a sample of N held-out pairs")
+    pairs.add_argument("--out", default=None, help="also write the figures to this JSON file")
+    pairs.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
+    pairs.set_defaults(run=_grade_pairs)
+    pack = commands.add_parser(
+        "pack-grader", help="make a trained grader directory shippable (float16, checksummed, stacked model inside)"
+    )
+    pack.add_argument("--grader", required=True, help="a directory written by llama-crag train-grader")
+    pack.add_argument("--out", required=True, help="the packed grader directory to write")
+    pack.add_argument("--calibration", default=None, help="calibrate --scorer reader:DIR output to carry inside")
+    pack.add_argument("--int8", action="store_true", help="score with the int8-quantised encoder (faster, less exact)")
+    pack.add_argument("--notice", default=None, help="a NOTICE file (the training data's licence) to ship beside it")
+    pack.set_defaults(run=_pack_grader)
+    snippets = commands.add_parser(
+        "snippets",
+        help="derive a noisy on-topic snippet set from a dataset (the grader's hardest case) for grade-report",
+        description="Cuts every document into snippets of a few sentences and relabels each question by the "
+        "snippets that hold its answer (answer string or evidence sentence). Out of corpus, retrieval then finds "
+        "the rest of the same document: on the subject, without the answer.",
+    )
+    snippets.add_argument("--dataset", required=True, help="folder with corpus.jsonl and questions.jsonl")
+    snippets.add_argument("--out", required=True, help="folder for the derived corpus.jsonl and questions.jsonl")
+    snippets.add_argument("--min-words", type=int, default=30, help="shortest snippet in words")
+    snippets.set_defaults(run=_snippets)
+
+
+def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", required=True, help="folder with corpus.jsonl and questions.jsonl")
+    parser.add_argument("--k", type=int, default=5, help="candidates retrieved per question")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N questions")
+    parser.add_argument("--target-precision", type=float, default=0.9, help="precision wanted of CORRECT")
+    parser.add_argument("--target-recall", type=float, default=0.9, help="share of out-of-corpus batches to catch")
+    parser.add_argument("--strip-min-tokens", type=int, default=8, help="knowledge-strip size, as in the engine")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
+
+
+def _targets(args: argparse.Namespace) -> dict:
+    return {"target_precision": args.target_precision, "target_recall": args.target_recall}
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from llama_index_crag.calibration.report import run_calibration
+
+    data = run_calibration(
+        Path(args.dataset),
+        args.scorer,
+        Path(args.out),
+        args.k,
+        args.limit,
+        args.split,
+        _targets(args),
+        args.progress,
+        args.strip_min_tokens,
+        args.synthetic,
+    )
+    t, a = data["thresholds"], data["achieved"]
+    print(f"Scorer {data['scorer']}: upper={t['upper']:.4f} lower={t['lower']:.4f}")
+    if "strip_threshold" in t:
+        print(
+            f"Knowledge strips: threshold {t['strip_threshold']:.4f} keeps {data['strips']['evidence_kept']:.3f} of "
+            f"evidence strips and drops {data['strips']['other_dropped']:.3f} of the others "
+            f"(strips of {data['strips']['passages']} gold passages)."
+        )
+    print(
+        f"Achieved on {sum(data['samples'].values())} batches {data['samples']}: precision of CORRECT "
+        f"{a['precision_correct']:.3f}, recall of INCORRECT {a['recall_incorrect']:.3f}. Wrote {args.out}."
+    )
+    return 0
+
+
+def _train_grader(args: argparse.Namespace) -> int:
+    from llama_index_crag.calibration.labelled import load_labelled_pairs
+    from llama_index_crag.calibration.pairs import make_pairs
+    from llama_index_crag.calibration.training import PairSet, TrainingConfig, train_grader
+
+    if not args.corpus and not args.pairs_file:
+        raise ConfigError(
+            "train-grader needs --pairs-file FILE (labelled pairs), --corpus DIR (pairs from it), or both"
+        )
+    sets = []
+    if args.pairs_file:
+        sets.append(load_labelled_pairs(args.pairs_file, seed=args.seed))
+    if args.corpus:
+        sets.append(
+            make_pairs(args.corpus, count=args.pairs, claims=args.claims, seed=args.seed, progress=args.progress)
+        )
+    pairs = PairSet([p for s in sets for p in s.train], [p for s in sets for p in s.held_out])
+    counts = pairs.counts()
+    source = " and ".join(str(s) for s in (args.pairs_file, args.corpus) if s)
+    print(
+        f"Pairs from {source}: {len(pairs.train)} to train on {counts['train']}, "
+        f"{len(pairs.held_out)} held out (other documents and questions) {counts['held_out']}."
+    )
+    config = TrainingConfig(
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        epochs=args.epochs,
+        train_layers=args.train_layers,
+        minutes=args.minutes,
+        seed=args.seed,
+        threads=args.threads,
+        device=args.device,
+    )
+    info = train_grader(pairs, Path(args.out), config=config, progress=args.progress, corpus=source)
+    print(
+        f"Reader trained {info['steps']} of {info['total_steps']} steps in {info['minutes']:.1f} min "
+        f"({info['stopped']}): held-out AUROC {info['history'][0]['held_out_auroc']:.3f} untrained -> "
+        f"{info['held_out_auroc']:.3f} (int8: {info['held_out_auroc_int8']:.3f}). Wrote {args.out}."
+    )
+    if info["held_out_auroc"] < 0.9 and info["stopped"] == "finished" and not args.pairs_file:
+        print("Held-out AUROC below 0.9 on synthetic pairs: the pairs are too hard or noisy for this corpus.")
+    print(f"Use it: llama-crag calibrate --scorer reader:{args.out} ..., or CRAG_GRADER={args.out}")
+    return 0
+
+
+def _pack_grader(args: argparse.Namespace) -> int:
+    from llama_index_crag.calibration.packaging import pack_grader
+
+    notice = Path(args.notice).read_text(encoding="utf-8") if args.notice else None
+    packed = pack_grader(args.grader, args.out, args.calibration, quantize=args.int8, notice=notice)
+    size = sum(f.stat().st_size for f in Path(args.out).iterdir()) / 1e6
+    print(
+        f"Packed {args.grader} into {args.out} ({size:.1f} MB, float16 weights, "
+        f"{'int8' if packed['quantize'] else 'float32'} inference"
+        f"{', stacked model and thresholds from ' + str(args.calibration) if args.calibration else ''})"
+    )
+    return 0
+
+
+def _grade_report(args: argparse.Namespace) -> int:
+    from llama_index_crag.calibration.report import run_report
+    from llama_index_crag.calibration.report_figures import table
+
+    report = run_report(
+        Path(args.dataset),
+        [s.strip() for s in args.scorers.split(",") if s.strip()],
+        Path(args.calibration) if args.calibration else None,
+        Path(args.out),
+        args.k,
+        args.folds,
+        args.limit,
+        args.judge_limit,
+        _targets(args),
+        args.strip_min_tokens,
+        args.progress,
+    )
+    print(f"{report['dataset']} ({report['protocol']}, top-{report['k']} candidates)\n")
+    print(table(report["results"]))
+    print(
+        "\nceiling: the best three-band accuracy any single lower threshold reaches on these scores, "
+        "chosen on the same rows (a bound, not a result)"
+    )
+    for result in report["results"]:
+        if result.get("strips"):
+            s = result["strips"]
+            print(
+                f"\nStrips ({result['scorer']}, threshold {s['strip_threshold_mean']:.3f}): evidence strips kept "
+                f"{s['evidence_kept']:.3f} of {s['evidence_strips']}, other strips dropped {s['other_dropped']:.3f} "
+                f"of {s['other_strips']}"
+            )
+            if s.get("at_lower"):
+                low = s["at_lower"]
+                print(
+                    f"  at the passage threshold lower instead: kept {low['evidence_kept']:.3f}, "
+                    f"dropped {low['other_dropped']:.3f}"
+                )
+    print(f"\nWrote {args.out}/grade-report.json, .md and .png")
+    return 0
+
+
+def _grade_pairs(args: argparse.Namespace) -> int:
+    from llama_index_crag.calibration.pair_report import held_out_rows, pair_figures, pair_table
+    from llama_index_crag.scorers.registry import report_scorers
+
+    rows = held_out_rows(args.pairs_file, limit=args.limit)
+    corpus = list(dict.fromkeys(r["passage"] for r in rows))
+    results = []
+    for name, scorer in report_scorers([s.strip() for s in args.scorers.split(",") if s.strip()], corpus):
+        desc = scorer.name[:40]
+        bar = (lambda it, d=desc: tqdm(it, total=len(rows), desc=d)) if args.progress else iter
+        result = pair_figures(scorer, rows, folds=args.folds, progress=bar)
+        result["default"] = name == "default"
+        results.append(result)
+    print(f"{args.pairs_file}: {len(rows)} held-out pairs ({results[0]['protocol']})\n")
+    print(pair_table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"pairs_file": str(args.pairs_file), "results": results}, indent=2) + "\n")
+        print(f"\nWrote {args.out}")
+    return 0
+
+
+def _snippets(args: argparse.Namespace) -> int:
+    from llama_index_crag.evaluation.snippets import snippet_set
+
+    counts = snippet_set(Path(args.dataset), Path(args.out), args.min_words)
+    print(
+        f"Wrote {counts['snippets']} snippets and {counts['questions']} questions to {args.out} "
+        f"({counts['left_out']} answerable questions left out: no snippet holds their answer)."
+    )
+    return 0

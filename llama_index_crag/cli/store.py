@@ -1,0 +1,136 @@
+"""``llama-crag ingest`` and ``llama-crag serve``: a persisted index (folder or PostgreSQL), and the server over it."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from llama_index_crag.errors import ConfigError
+from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
+
+
+def add_parsers(commands: Any) -> None:
+    """Add ``ingest`` and ``serve`` to ``llama-crag``'s subparsers."""
+    ingest = commands.add_parser(
+        "ingest",
+        help="build or update a persisted index folder from a folder of documents (for llama-crag serve)",
+        description="Reads DOCS_DIR (a corpus.jsonl in the shared dataset format, or .txt/.md/.rst/.html/.csv/.json "
+        "files), chunks and embeds it, and writes the vector index, the chunks for the BM25 and sentence-window "
+        "fallback, their embeddings, the evidence scorer's corpus statistics, and the calibration and grader it "
+        "is built with. Run it again on a changed folder: only added or changed documents are embedded, vanished "
+        "ones are removed.",
+    )
+    ingest.add_argument("docs", metavar="DOCS_DIR", help="folder of documents")
+    ingest.add_argument("--out", metavar="INDEX_DIR", help="the index folder to write or update")
+    ingest.add_argument(
+        "--store", metavar="URL", help="write into PostgreSQL with pgvector instead (postgresql://user@host/db)"
+    )
+    ingest.add_argument("--table", default="crag", help="the store's name in PostgreSQL (with --store)")
+    ingest.add_argument(
+        "--index-precision",
+        choices=("full", "half"),
+        default=None,
+        help="with --store, a new store's HNSW indexes over full vectors or halfvec casts (half the index memory)",
+    )
+    ingest.add_argument("--calibration", default=None, help="a calibration file to serve with (llama-crag calibrate)")
+    ingest.add_argument("--grader", default=None, help="a grader directory to serve with (llama-crag train-grader)")
+    ingest.add_argument("--no-warm", dest="warm", action="store_false", help="do not embed the sentence windows now")
+    ingest.set_defaults(run=_ingest)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve an index folder: query API, OpenAI-compatible chat API, metrics and the decision-trace console",
+        description="Binds to 127.0.0.1 unless --host says otherwise. Set CRAG_API_KEY to require a key on every "
+        "route but /healthz.",
+    )
+    serve.add_argument("--index", default="", help="index folder written by llama-crag ingest")
+    serve.add_argument("--store", default=None, metavar="URL", help="serve a PostgreSQL store instead (ingest --store)")
+    serve.add_argument("--table", default="crag", help="the store's name in PostgreSQL (with --store)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--workers", type=int, default=1, help="worker processes over the same index folder")
+    serve.add_argument(
+        "--llm",
+        choices=("auto", "ollama", "llamacpp", "none"),
+        default="auto",
+        help="auto: Ollama if it answers, else the bundled GGUF in llama.cpp; none: retrieval and grading only",
+    )
+    serve.add_argument("--model", default=None, help=f"Ollama model (default {DEFAULT_OLLAMA_MODEL})")
+    serve.add_argument("--ollama-url", default=None, help=f"Ollama server (default {DEFAULT_OLLAMA_URL})")
+    serve.add_argument("--gguf", default=None, help="a GGUF file for --llm llamacpp instead of the bundled SmolLM2")
+    serve.add_argument("--disable-crag", action="store_true", help="plain retrieve-then-generate, for comparison")
+    serve.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (repeatable)")
+    serve.add_argument("--max-body-bytes", type=int, default=64 * 1024, help="largest request body accepted")
+    serve.add_argument(
+        "--max-query-chars",
+        type=int,
+        default=None,
+        help="longest query accepted (default: the engine's max_query_chars, CRAG_MAX_QUERY_CHARS or 8000)",
+    )
+    serve.add_argument(
+        "--query-timeout", type=float, default=120.0, help="seconds a query may take before it is cut off"
+    )
+    serve.add_argument(
+        "--rate-window", type=float, default=300.0, help="seconds behind crag_fallback_rate and crag_refusal_rate"
+    )
+    serve.add_argument("--log-level", default="info", help="uvicorn's log level")
+    serve.set_defaults(run=_serve)
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    from llama_index_crag.stores.folder import ingest
+
+    if bool(args.out) == bool(args.store):
+        raise ConfigError("ingest needs either --out INDEX_DIR or --store postgresql://...")
+    if args.store:
+        from llama_index_crag.stores.postgres import PostgresStore
+        from llama_index_crag.stores.postgres import ingest as ingest_store
+
+        store = PostgresStore(args.store, table=args.table, index_precision=args.index_precision)
+        stored = ingest_store(args.docs, store, progress=True)
+        print(stored.summary() + f" in {stored.seconds:.1f} s")
+        print(f"Serve it: llama-crag serve --store URL --table {args.table}")
+        return 0
+    report = ingest(
+        args.docs, args.out, calibration=args.calibration, grader=args.grader, warm_fallback=args.warm, progress=True
+    )
+    print(report.summary() + f" in {report.seconds:.1f} s")
+    for skipped in report.skipped:
+        print(f"  skipped {skipped}")
+    print(f"Serve it: llama-crag serve --index {args.out}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from llama_index_crag.server import require_extra
+
+    try:
+        require_extra()
+    except ImportError as exc:
+        raise SystemExit(f"llama-crag serve: {exc}") from None
+    from llama_index_crag.server.main import ServeOptions, serve
+
+    if bool(args.index) == bool(args.store):
+        raise ConfigError("serve needs either --index INDEX_DIR or --store postgresql://...")
+    serve(
+        ServeOptions(
+            index=args.index,
+            store=args.store,
+            table=args.table,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            llm=args.llm,
+            model=args.model,
+            ollama_url=args.ollama_url,
+            gguf=args.gguf,
+            disable_crag=args.disable_crag,
+            cors_origins=args.cors_origin,
+            max_body_bytes=args.max_body_bytes,
+            max_query_chars=args.max_query_chars,
+            query_timeout_s=args.query_timeout,
+            rate_window_s=args.rate_window,
+            log_level=args.log_level,
+        )
+    )
+    return 0

@@ -1,0 +1,165 @@
+"""``CorrectiveQueryEngine.from_defaults``: the engine wired from what the user already has.
+
+Given an index, a retriever, nodes or a vector store, it chooses the scorer (``scorers.registry``),
+resolves the settings (argument > ``CRAG_*`` environment > calibration file), loads the
+calibrated scorer state, and builds the grader, refiner, fallback (with the web where asked),
+rewriter and synthesizer the loop uses.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Type, Union
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.indices.base import BaseIndex
+from llama_index.core.llms import LLM, MockLLM
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
+from llama_index.core.schema import BaseNode, MetadataMode
+from llama_index.core.settings import Settings
+
+from llama_index_crag.core.fallback import FallbackRetriever
+from llama_index_crag.core.grader import RelevanceGrader
+from llama_index_crag.core.refiner import StripRefiner
+from llama_index_crag.core.rewrite import QueryRewriter
+from llama_index_crag.core.settings import CragSettings, WebSearchSettings
+from llama_index_crag.core.settings_sources import read_calibration
+from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.scorers.registry import default_scorer
+from llama_index_crag.web.retriever import WebSearchRetriever
+
+if TYPE_CHECKING:
+    from llama_index_crag.core.engine import CorrectiveQueryEngine
+
+
+def from_defaults(
+    cls: Type[CorrectiveQueryEngine],
+    index: Optional[BaseIndex] = None,
+    retriever: Optional[BaseRetriever] = None,
+    nodes: Optional[Sequence[BaseNode]] = None,
+    llm: Optional[LLM] = None,
+    scorer: Optional[RelevanceScorer] = None,
+    embed_model: Optional[BaseEmbedding] = None,
+    node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
+    response_synthesizer: Optional[BaseSynthesizer] = None,
+    response_mode: ResponseMode = ResponseMode.COMPACT,
+    streaming: bool = False,
+    fallback: Optional[BaseRetriever] = None,
+    fallback_sources: Sequence[str] = ("bm25", "sentence_window"),
+    web: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
+    calibration_path: Optional[str] = None,
+    callback_manager: Optional[CallbackManager] = None,
+    vector_store: Optional[Any] = None,
+    **settings: Any,
+) -> CorrectiveQueryEngine:
+    """Build the engine around what the user already has.
+
+    Give a ``vector_store`` (a ``PGVectorStore`` or ``postgresql://`` URL filled by
+    ``llama-crag ingest --store``: retrieval, fallback and word statistics then stay in
+    PostgreSQL, see ``docs/postgres.md``), an ``index``, a ``retriever`` or ``nodes`` (an in-memory vector index is
+    built over them). The fallback retriever is built over the same nodes (taken
+    from ``nodes`` or the index's docstore); with no nodes at hand (a remote vector
+    store), the rewritten query goes back through the primary retriever.
+
+    ``scorer`` defaults to the offline ``EvidenceScorer`` (bundled MiniLM plus lexical
+    and answer-type evidence, IDF from the same nodes), or to a ``ReaderScorer`` over
+    the grader directory in ``CRAG_GRADER`` (``llama-crag train-grader``). Any keyword
+    of ``CragSettings`` (``upper``, ``lower``, ``max_rewrites``, ``enabled`` ...)
+    may be passed; it wins over ``CRAG_*`` variables and the calibration file.
+
+    ``web`` turns on the web-search source of the fallback (off by default): ``True``,
+    a dict of ``WebSearchSettings`` fields, or the settings themselves; ``CRAG_WEB=on``
+    and ``CRAG_WEB_*`` variables do the same, and ``CRAG_WEB_FORBIDDEN=true`` forbids
+    sending anything whatever the code says.
+    """
+    if vector_store is not None:  # a PostgreSQL store: the whole loop reads it (llama_index_crag.stores.postgres)
+        from llama_index_crag.stores.postgres.parts import store_parts
+
+        parts = store_parts(
+            vector_store,
+            embed_model,
+            scorer,
+            settings=settings,
+            calibration_path=calibration_path,
+            postprocessors=node_postprocessors,
+        )
+        retriever, fallback, scorer = parts.retriever, parts.fallback, parts.scorer
+        embed_model, node_postprocessors = parts.embed_model, parts.postprocessors
+    llm = llm or _settings_llm()
+    unknown = set(settings) - set(CragSettings.model_fields)
+    if unknown:
+        raise TypeError(f"unknown settings {sorted(unknown)}; see CragSettings for the names")
+    if nodes is None and index is not None:
+        nodes = list(index.docstore.docs.values())
+    if scorer is None:
+        corpus = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes or []]
+        scorer = default_scorer(embed_model, corpus or None)
+    calibration_path = calibration_path or os.environ.get("CRAG_CALIBRATION")
+    if calibration_path:
+        state = read_calibration(calibration_path, scorer.name).get("scorer_state")
+        if state is not None:
+            scorer.load_state(state)
+    resolved = CragSettings.resolve(
+        settings,
+        calibration_path=calibration_path,
+        scorer_name=scorer.name,
+        scorer_defaults=scorer.default_thresholds,
+    )
+    if index is None and retriever is None:
+        if nodes is None:
+            raise ValueError("give the engine something to search: index=, retriever= or nodes=")
+        from llama_index.core import VectorStoreIndex
+
+        from llama_index_crag.local.models import default_embed_model
+
+        index = VectorStoreIndex(list(nodes), embed_model=embed_model or default_embed_model())
+    if retriever is None:
+        assert index is not None
+        retriever = index.as_retriever(similarity_top_k=resolved.similarity_top_k)
+    web_settings = WebSearchSettings.resolve(web)
+    if fallback is None:
+        if nodes and any(n.get_content().strip() for n in nodes):
+            fallback = FallbackRetriever.from_nodes(
+                nodes, sources=fallback_sources, similarity_top_k=resolved.similarity_top_k, embed_model=embed_model
+            )
+        else:
+            fallback = FallbackRetriever({"primary": retriever}, similarity_top_k=resolved.similarity_top_k)
+    if web_settings.enabled:
+        fallback = FallbackRetriever.with_web(
+            fallback,
+            WebSearchRetriever(web_settings, scorer=scorer, strip_min_tokens=resolved.strip_min_tokens),
+            similarity_top_k=resolved.similarity_top_k,
+        )
+    synthesizer = response_synthesizer or get_response_synthesizer(
+        llm=llm or MockLLM(), response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
+    )
+    return cls(
+        retriever=retriever,
+        grader=RelevanceGrader(
+            scorer,
+            upper=resolved.upper,
+            lower=resolved.lower,
+            aggregation=resolved.aggregation,
+            min_relevant=resolved.min_relevant,
+            explain=resolved.explain,
+        ),
+        refiner=StripRefiner(
+            scorer,
+            threshold=resolved.lower if resolved.strip_threshold is None else resolved.strip_threshold,
+            strip_min_tokens=resolved.strip_min_tokens,
+        ),
+        fallback=fallback,
+        rewriter=QueryRewriter(llm) if llm is not None else None,
+        response_synthesizer=synthesizer,
+        settings=resolved,
+        node_postprocessors=node_postprocessors,
+        callback_manager=callback_manager,
+    )
+
+
+def _settings_llm() -> Optional[LLM]:
+    """LlamaIndex's ``Settings.llm`` when one is set; None otherwise (the engine then quotes, never generates)."""
+    return getattr(Settings, "_llm", None)

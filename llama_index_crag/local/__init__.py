@@ -1,0 +1,1 @@
+"""The offline defaults: bundled models, the portable llama.cpp build, the embedding cache and the doctor."""

@@ -1,0 +1,58 @@
+"""Errors answered as JSON in OpenAI's shape, ``{"error": {"type", "code", "message"}}``, and the app's handlers."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("llama_index_crag.server")
+
+
+class ApiError(Exception):
+    """An error answered as JSON with its HTTP status."""
+
+    def __init__(self, status: int, code: str, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.kind = status, code, message, kind
+
+    @classmethod
+    def mid_stream(cls, exc: Exception) -> ApiError:
+        """What a failure after the stream began is reported as (its status line is already sent)."""
+        return exc if isinstance(exc, ApiError) else cls(503, "generator_failed", str(exc), "server_error")
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"type": self.kind, "code": self.code, "message": self.message}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Answer every error as JSON in OpenAI's shape: ours, FastAPI's validation, Starlette's 404 / 405, crashes."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+            problems.append(f"{where}: {error.get('msg')}")
+        return ApiError(422, "invalid_request", "; ".join(problems) or "the request body is not valid").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return ApiError(exc.status_code, code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("query failed")
+        return ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}", "server_error").response()

@@ -1,0 +1,75 @@
+"""The parts of the corrective engine over a PostgreSQL store: retrieval, fallback and grading that read the
+store and nothing else (``core.builder`` wires them for ``from_defaults(vector_store=...)``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, List, Mapping, Optional, Sequence, Union
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+
+from llama_index_crag.core.settings import CragSettings
+from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.stores.postgres.grading import StoredEvidence, StoredIdf, stored_scorer
+from llama_index_crag.stores.postgres.retrievers import PostgresVectorRetriever, store_fallback
+from llama_index_crag.stores.postgres.store import DEFAULT_TABLE, PostgresStore
+
+
+@dataclass
+class StoreParts:
+    """What the engine needs from a store: its retriever, fallback, scorer and the postprocessors before grading."""
+
+    store: PostgresStore
+    embed_model: BaseEmbedding
+    retriever: BaseRetriever
+    fallback: BaseRetriever
+    scorer: RelevanceScorer
+    postprocessors: List[BaseNodePostprocessor]
+
+
+def store_parts(
+    store: Union[str, PostgresStore, Any],
+    embed_model: Optional[BaseEmbedding] = None,
+    scorer: Optional[RelevanceScorer] = None,
+    fallback_sources: Sequence[str] = ("fulltext", "sentence_window"),
+    grader: Optional[str] = None,
+    table: str = DEFAULT_TABLE,
+    settings: Optional[Mapping[str, Any]] = None,
+    calibration_path: Optional[str] = None,
+    postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
+) -> StoreParts:
+    """The engine's parts over ``store`` (a ``postgresql://`` URL, a ``PostgresStore`` or a ``PGVectorStore``).
+
+    Retrieval is pgvector's; the fallback is full-text search and sentence windows in
+    PostgreSQL; grading reuses the stored embeddings and reads the IDF of the query's words only.
+    ``settings`` and ``calibration_path`` are the engine's, read here for ``similarity_top_k``.
+    """
+    from llama_index_crag.local.models import default_embed_model
+
+    if isinstance(store, str):
+        store = PostgresStore(store, table=table)
+    elif not isinstance(store, PostgresStore):
+        store = PostgresStore.from_vector_store(store)
+    embed_model = embed_model or default_embed_model()
+    store.require(embed_model)
+    stored_idf: Optional[StoredIdf] = None
+    if scorer is None:
+        scorer, stored_idf = stored_scorer(store, embed_model, grader or os.environ.get("CRAG_GRADER") or None)
+    given = {k: v for k, v in (settings or {}).items() if k in CragSettings.model_fields}
+    top_k = CragSettings.resolve(
+        given,
+        calibration_path=calibration_path,
+        scorer_name=scorer.name,
+        scorer_defaults=scorer.default_thresholds,
+    ).similarity_top_k
+    return StoreParts(
+        store=store,
+        embed_model=embed_model,
+        retriever=PostgresVectorRetriever(store, embed_model, top_k),
+        fallback=store_fallback(store, embed_model, top_k, fallback_sources),
+        scorer=scorer,
+        postprocessors=[StoredEvidence(scorer, stored_idf), *(postprocessors or [])],
+    )

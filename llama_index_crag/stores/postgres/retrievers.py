@@ -1,0 +1,208 @@
+"""Retrieval from the PostgreSQL store: pgvector for chunks and sentence windows, full-text search as BM25."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from llama_index_crag.stores.chunking import clean_text
+from llama_index_crag.stores.postgres.store import PostgresStore, row_node
+
+if TYPE_CHECKING:
+    from psycopg import Connection
+
+
+class _StoreRetriever(BaseRetriever):
+    """A retriever that reads one store; async runs the same query in a worker thread (psycopg's pool is sync)."""
+
+    def __init__(self, store: PostgresStore, similarity_top_k: int) -> None:
+        self._store = store
+        self._top_k = similarity_top_k
+        super().__init__()
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        return await asyncio.to_thread(self._retrieve, query_bundle)
+
+
+class _EmbeddingRetriever(_StoreRetriever):
+    """A store retriever that embeds the query (and puts the vector on the bundle, for grading to reuse)."""
+
+    def __init__(self, store: PostgresStore, embed_model: BaseEmbedding, similarity_top_k: int) -> None:
+        self._embed_model = embed_model
+        super().__init__(store, similarity_top_k)
+
+    def _query_vector(self, query_bundle: QueryBundle) -> np.ndarray:
+        if query_bundle.embedding is None:
+            query_bundle.embedding = self._embed_model.get_agg_embedding_from_queries(query_bundle.embedding_strs)
+        return np.asarray(query_bundle.embedding, dtype=np.float32)
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        if query_bundle.embedding is None:
+            query_bundle.embedding = await self._embed_model.aget_agg_embedding_from_queries(
+                query_bundle.embedding_strs
+            )
+        return await asyncio.to_thread(self._retrieve, query_bundle)
+
+
+class PostgresVectorRetriever(_EmbeddingRetriever):
+    """Dense retrieval of chunks through pgvector's HNSW index, each hit carrying its stored embedding.
+
+    The embeddings come back with the rows, so grading scores the candidates without
+    embedding them again (``StoredEvidence``, or ``reuse_retrieval_embeddings``).
+
+    Args:
+        store: The store.
+        embed_model: The model the store was embedded with.
+        similarity_top_k: Chunks per query.
+    """
+
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        vector = self._query_vector(query_bundle)
+        with self._store.connection() as conn:
+            rows = conn.execute(
+                f"SELECT text, metadata_, embedding, 1 - (embedding <=> %s) FROM {self._store.name('chunks')} "
+                f"ORDER BY {self._store.nearest()} LIMIT %s",
+                (vector, vector, self._top_k),
+            ).fetchall()
+        return _hits(rows)
+
+
+class PostgresSentenceWindowRetriever(_EmbeddingRetriever):
+    """Sentence-level dense retrieval in the windows table, each hit widened to its window of neighbours.
+
+    The PostgreSQL twin of ``fallback.SentenceWindowRetriever``: the same sentences,
+    embedded the same way at ingest, searched through an HNSW index; it returns twice
+    ``similarity_top_k`` windows, as the in-memory one does.
+    """
+
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        vector = self._query_vector(query_bundle)
+        with self._store.connection() as conn:
+            rows = conn.execute(
+                f"SELECT window_text, metadata_, 1 - (embedding <=> %s) FROM {self._store.name('windows')} "
+                f"ORDER BY {self._store.nearest()} LIMIT %s",
+                (vector, vector, 2 * self._top_k),
+            ).fetchall()
+        return [
+            NodeWithScore(node=TextNode(text=text, metadata=dict(metadata or {})), score=float(score))
+            for text, metadata, score in rows
+        ]
+
+
+class PostgresFullTextRetriever(_StoreRetriever):
+    """BM25-like full-text retrieval of chunks in PostgreSQL, through the GIN index on their ``tsvector``.
+
+    The query's lexemes (PostgreSQL's stemming and stopwords) are OR-ed, so a rewritten
+    query with extra words still matches; each matching chunk scores the sum over the
+    query's lexemes of ``idf * ts_rank`` (``ts_rank`` saturates with repetitions and
+    is normalised by the chunk's length, ``idf`` is BM25's, from the lexeme frequency
+    table). Lexemes in more than half of the chunks (BM25 gives them next to no weight)
+    are left out. Only chunks holding one of the query's rarest lexemes are ranked: the
+    rarest first, as long as their frequencies add up to at most the store's
+    ``fulltext_candidates`` (at least one lexeme, and never more rows than that), since a
+    chunk that holds none of them shares only the low-IDF words and ranks low anyway.
+    That keeps the cost of a query flat as the store grows, where matching every lexeme
+    ranked tens of thousands of chunks. Every query lexeme still counts in the score.
+    Hits carry their stored embeddings.
+    """
+
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        store = self._store
+        with store.connection() as conn:
+            found = conn.execute(
+                f"SELECT DISTINCT u.lexeme, l.df FROM unnest(to_tsvector(%s::regconfig, %s)) u "
+                f"JOIN {store.name('lexemes')} l ON l.lexeme = u.lexeme",
+                (store.text_search_config, clean_text(query_bundle.query_str)),  # PostgreSQL refuses NUL
+            ).fetchall()
+            if not found:
+                return []
+            size = max(store_size(conn, store), max(df for _, df in found))
+            useful = [(lexeme, df) for lexeme, df in found if df <= size / 2] or found
+            lexemes = [lexeme for lexeme, _ in useful]
+            weights = [math.log(1 + (size - df + 0.5) / (df + 0.5)) for _, df in useful]
+            matched = candidate_lexemes(useful, store.fulltext_candidates)
+            # Rank on the tsvectors alone, then read text, metadata and vector (TOASTed) of the top k only.
+            rows = conn.execute(
+                f"""WITH t AS MATERIALIZED (
+                    SELECT quote_literal(u.lexeme)::tsquery AS q, u.idf
+                    FROM unnest(%s::text[], %s::float8[]) AS u(lexeme, idf)),
+                candidates AS (
+                    SELECT id, text_search_tsv FROM {store.name("chunks")}
+                    WHERE text_search_tsv @@ %s::tsquery LIMIT %s),
+                ranked AS (
+                    SELECT c.id, (SELECT sum(t.idf * ts_rank(c.text_search_tsv, t.q, 1)) FROM t) AS score
+                    FROM candidates c ORDER BY score DESC LIMIT %s)
+                SELECT chunk.text, chunk.metadata_, chunk.embedding, ranked.score
+                FROM ranked JOIN {store.name("chunks")} chunk ON chunk.id = ranked.id
+                ORDER BY ranked.score DESC""",
+                (
+                    lexemes,
+                    weights,
+                    " | ".join(_quoted(lexeme) for lexeme in matched),
+                    store.fulltext_candidates,
+                    self._top_k,
+                ),
+            ).fetchall()
+        return _hits(rows)
+
+
+def candidate_lexemes(lexemes: Sequence[Tuple[str, int]], budget: int) -> List[str]:
+    """The rarest of ``(lexeme, chunk frequency)`` whose frequencies add up to at most ``budget`` (one at least)."""
+    chosen: List[str] = []
+    total = 0
+    for lexeme, df in sorted(lexemes, key=lambda item: (item[1], item[0])):
+        if chosen and total + df > budget:
+            break
+        chosen.append(lexeme)
+        total += df
+    return chosen
+
+
+def _hits(rows: Sequence[Any]) -> List[NodeWithScore]:
+    """Rows of (text, metadata, embedding, score) as scored nodes that carry their stored vectors."""
+    hits = []
+    for text, metadata, embedding, score in rows:
+        node = row_node(text, metadata)
+        node.embedding = _floats(embedding)
+        hits.append(NodeWithScore(node=node, score=float(score)))
+    return hits
+
+
+def _floats(vector: Any) -> Optional[List[float]]:
+    """A stored vector (pgvector's ``Vector``) as the list of floats a node carries."""
+    return None if vector is None else [float(x) for x in vector.to_numpy()]
+
+
+def _quoted(lexeme: str) -> str:
+    return "'" + lexeme.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def store_size(conn: Connection[Any], store: PostgresStore) -> int:
+    row = conn.execute(f"SELECT value FROM {store.name('meta')} WHERE key = 'chunks'").fetchone()
+    return int(row[0]) if row else 0
+
+
+def store_fallback(
+    store: PostgresStore,
+    embed_model: BaseEmbedding,
+    similarity_top_k: int = 5,
+    sources: Sequence[str] = ("fulltext", "sentence_window"),
+) -> BaseRetriever:
+    """The ``FallbackRetriever`` of the INCORRECT branch over the store: full-text search, then sentence windows."""
+    from llama_index_crag.core.fallback import FallbackRetriever
+
+    built: Dict[str, BaseRetriever] = {}
+    for source in sources:
+        if source in ("fulltext", "bm25"):
+            built[source] = PostgresFullTextRetriever(store, similarity_top_k)
+        elif source == "sentence_window":
+            built[source] = PostgresSentenceWindowRetriever(store, embed_model, similarity_top_k)
+        else:
+            raise ValueError(f"unknown fallback source {source!r}: use 'fulltext' or 'sentence_window'")
+    return FallbackRetriever(built, similarity_top_k=similarity_top_k)
