@@ -17,7 +17,7 @@ LLAMA_CPP_CMAKE_ARGS ?= $(shell cat llama_index_crag/local/llama_cpp_cmake_args.
 LLAMA_CPP_KEY := $(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_CMAKE_ARGS)' | sha1sum | cut -c1-12)
 WHEELHOUSE ?= $(HOME)/.cache/llama-index-crag/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_CPP_KEY)
 
-.PHONY: setup local dev demo demo-generate test test-fast test-install lint doctor portable-llama-cpp browser
+.PHONY: setup local dev demo demo-generate test test-fast test-long lint doctor portable-llama-cpp browser
 
 # Three environments, each on top of the one before: `setup` is what the demo needs (it quotes the
 # documents, so no generator and no llama.cpp build: a few minutes); `local` adds the bundled generator
@@ -72,14 +72,15 @@ browser:
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium chromium-driver; \
 	fi
 
-# The whole suite, slow real-model tests included; the fresh-virtualenv installs have their own target.
+# The suite, slow real-model tests included; the long runs (fresh-virtualenv installs, and the doc examples
+# that train, evaluate or benchmark: hours together on 2 cores) have their own target.
 test: dev browser
-	$(PY) -m pytest -q -m "not install"
+	$(PY) -m pytest -q -m "not install and not long"
 
 # pip install into new virtualenvs as a user would (the README's and docs' install lines, and a bare
-# `pip install .` without the [server] or [postgres] extras): tens of minutes, before a release.
-test-install: dev
-	$(PY) -m pytest -q -m install
+# `pip install .` without the [server] or [postgres] extras), and every long doc example: before a release.
+test-long: dev browser
+	$(PY) -m pytest -q -m "install or long"
 
 test-fast: dev browser
 	$(PY) -m pytest -q -m "not slow"

@@ -549,8 +549,8 @@ def _hub_model(block: Block, ctx: Contexts) -> Dict[str, str]:
 def _param(block: Block) -> Any:
     marks: List[Any] = []
     if block.slow:  # a training run or a fresh install: far past the suite's five minutes
-        marks += [pytest.mark.slow, pytest.mark.timeout(SHELL_TIMEOUT_S)]
-    if "fresh-venv" in block.needs:  # a new virtualenv and its installs (llama.cpp compiled): make test-install
+        marks += [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(SHELL_TIMEOUT_S)]
+    if "fresh-venv" in block.needs:  # a new virtualenv and its installs (llama.cpp compiled): make test-long
         marks.append(pytest.mark.install)
     reason = skip_reason(block)
     if reason:
