@@ -336,3 +336,66 @@ def test_truthfulness_rewards_abstaining_over_guessing() -> None:
     assert truthfulness(row(OUT_OF_CORPUS, True, True)) == 0
     assert truthfulness(row(UNANSWERABLE, False, False)) == -1
     assert truthfulness(row(ANSWERABLE, False, None)) is None
+
+
+class InventingLLM(JudgingLLM):
+    """Judges and rewrites as the scripted LLM does, but answers with figures no passage holds."""
+
+    def _text(self, prompt: str) -> str:
+        text = super()._text(prompt)
+        return "It was 7,700,000 dollars, decided in 1987 by Oskar Brandt." if text.startswith("ANSWER:") else text
+
+
+@pytest.mark.parametrize(("policy", "outcome"), [("flag", "flagged"), ("extract", "extract"), ("abstain", "abstain")])
+def test_eval_runs_crag_with_the_answer_check_policy_it_is_given(
+    dataset: Path, tmp_path: Path, policy: str, outcome: str
+) -> None:
+    config = EvalConfig(
+        dataset=dataset,
+        out=tmp_path / "out",
+        systems=["crag"],
+        cache_dir=tmp_path,
+        progress=False,
+        answer_mode="generate",
+        on_ungrounded=policy,
+    )
+    results = run_evaluation(config, InventingLLM(), count_tokens=words)
+    checked = [r for r in results["rows"] if r["check_outcome"] is not None]
+    assert checked, "CRAG generated at least one answer, and it was checked"
+    assert all(r["grounded"] is False and r["check_outcome"] == outcome for r in checked)
+    answered = [r for r in checked if not r["abstained"]]
+    if outcome == "flagged":
+        assert answered == checked and all("7,700,000" in r["answer"] for r in answered)
+        assert results["figures"]["crag"]["flagged_answers"] > 0
+    elif outcome == "abstain":
+        assert not answered
+    else:  # replaced by the quotes, or an abstention where nothing could be quoted
+        assert answered and all(r["answered_by"] == "extract" and "7,700,000" not in r["answer"] for r in answered)
+    assert results["meta"]["answer_step"] == {"answer_mode": "generate", "check_answers": True, "on_ungrounded": policy}
+    assert f"--on-ungrounded {policy}" in results["meta"]["command"]
+    assert f"an ungrounded one becomes `{policy}`" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_eval_with_extract_never_asks_the_generator_for_crag_and_unchecked_keeps_the_answer(
+    dataset: Path, tmp_path: Path
+) -> None:
+    quoting = InventingLLM()
+    config = EvalConfig(
+        dataset=dataset, out=tmp_path / "q", systems=["crag"], cache_dir=tmp_path, progress=False, answer_mode="extract"
+    )
+    rows = run_evaluation(config, quoting, count_tokens=words)["rows"]
+    assert quoting.calls["answer"] == 0
+    assert {r["answered_by"] for r in rows if not r["abstained"]} == {"extract"}
+    unchecked = EvalConfig(
+        dataset=dataset,
+        out=tmp_path / "u",
+        systems=["crag"],
+        cache_dir=tmp_path,
+        progress=False,
+        answer_mode="generate",
+        check_answers=False,
+    )
+    assert unchecked.fingerprint() != config.fingerprint()
+    rows = run_evaluation(unchecked, InventingLLM(), count_tokens=words)["rows"]
+    answered = [r for r in rows if not r["abstained"]]
+    assert answered and all("7,700,000" in r["answer"] and r["check_outcome"] is None for r in answered)

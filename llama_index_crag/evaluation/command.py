@@ -40,6 +40,22 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
         help=f"CRAG's relevance scorer, one of {', '.join(SPECS)} (default: evidence)",
     )
     parser.add_argument("--calibration", default=None, help="calibration JSON with CRAG's thresholds")
+    parser.add_argument(
+        "--answer-mode",
+        choices=("extract", "generate"),
+        default=None,
+        help="CRAG's answer: the quoted evidence, or the generator's answer (default: the engine's choice for the "
+        "generator: extract with the bundled model, generate with Ollama)",
+    )
+    parser.add_argument(
+        "--on-ungrounded",
+        choices=("flag", "extract", "abstain"),
+        default=None,
+        help="what a generated answer that fails its check becomes (default: the engine's, extract)",
+    )
+    parser.add_argument(
+        "--no-check", action="store_true", help="leave CRAG's generated answers unchecked (the behaviour before)"
+    )
     parser.add_argument("--top-k", type=int, default=5, help="chunks retrieved (plain, CRAG, LLM-judge)")
     parser.add_argument("--rerank-top-k", type=int, default=10, help="chunks retrieved before reranking")
     parser.add_argument("--rerank-top-n", type=int, default=3, help="chunks kept after reranking")
@@ -65,6 +81,9 @@ def _eval(args: argparse.Namespace) -> int:
         generate=not args.no_generate,
         scorer=args.scorer,
         calibration=Path(args.calibration) if args.calibration else None,
+        answer_mode=args.answer_mode,
+        on_ungrounded=args.on_ungrounded,
+        check_answers=not args.no_check,
         top_k=args.top_k,
         rerank_top_k=args.rerank_top_k,
         rerank_top_n=args.rerank_top_n,

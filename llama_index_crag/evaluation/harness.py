@@ -50,6 +50,12 @@ class EvalConfig:
     generate: bool = True
     scorer: str = "evidence"
     calibration: Optional[Path] = None
+    #: CRAG's answer step: "extract", "generate", or None for the engine's default for the generator.
+    answer_mode: Optional[str] = None
+    #: What CRAG does with a generated answer that fails its check ("flag", "extract", "abstain"); None: the default.
+    on_ungrounded: Optional[str] = None
+    #: False: CRAG's generated answers go unchecked (the behaviour before the check existed).
+    check_answers: bool = True
     top_k: int = 5
     rerank_top_k: int = 10
     rerank_top_n: int = 3
@@ -63,6 +69,17 @@ class EvalConfig:
         if unknown:
             raise ConfigError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
         check_spec(self.scorer)
+        if self.answer_mode not in (None, "extract", "generate"):
+            raise ConfigError(f"unknown answer mode {self.answer_mode!r}: choose extract or generate")
+        if self.on_ungrounded not in (None, "flag", "extract", "abstain"):
+            raise ConfigError(f"unknown on_ungrounded {self.on_ungrounded!r}: choose flag, extract or abstain")
+
+    def crag_settings(self) -> Dict[str, Any]:
+        """The answer-step settings CRAG is built with (only those given; the rest stay the engine's defaults)."""
+        chosen: Dict[str, Any] = {"answer_mode": self.answer_mode, "on_ungrounded": self.on_ungrounded}
+        if not self.check_answers:
+            chosen["check_answers"] = False
+        return {k: v for k, v in chosen.items() if v is not None}
 
     def command(self) -> str:
         """The command line that repeats this run."""
@@ -75,6 +92,12 @@ class EvalConfig:
             parts += ["--scorer", self.scorer]
         if self.calibration:
             parts += ["--calibration", str(self.calibration)]
+        if self.answer_mode:
+            parts += ["--answer-mode", self.answer_mode]
+        if self.on_ungrounded:
+            parts += ["--on-ungrounded", self.on_ungrounded]
+        if not self.check_answers:
+            parts.append("--no-check")
         defaults = EvalConfig(dataset=self.dataset, out=self.out)
         for name in ("top_k", "rerank_top_k", "rerank_top_n"):
             if getattr(self, name) != getattr(defaults, name):
@@ -92,6 +115,7 @@ class EvalConfig:
             "scorer": self.scorer,
             "scorer_defaults": spec_defaults(self.scorer),
             "calibration": content_hash(self.calibration) if self.calibration else None,
+            "crag_settings": self.crag_settings(),
             "top_k": self.top_k,
             "rerank": [self.rerank_top_k, self.rerank_top_n],
         }
@@ -136,6 +160,7 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
         rerank_top_k=config.rerank_top_k,
         rerank_top_n=config.rerank_top_n,
         calibration=config.calibration,
+        crag_settings=config.crag_settings(),
     )
     setup_s = time.perf_counter() - started
     queries = [(q, ANSWERABLE if q.question.answerable else UNANSWERABLE) for q in questions] + [
@@ -178,6 +203,7 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
             "generator": config.llm_name,
             "scorer": crag.grader.scorer.name if crag else config.scorer,
             "thresholds": crag.settings.model_dump(include={"upper", "lower", "aggregation"}) if crag else {},
+            "answer_step": _answer_step(crag) if crag else {},
             "setup_s": round(setup_s, 1),
             "wall_s": {name: round(t, 1) for name, t in wall_s.items()},
         },
@@ -205,6 +231,12 @@ def _ask(
         response = engine.query(question.question.question)
         total_ms = (time.perf_counter() - start) * 1000.0
     return make_row(system, kind, question, response, total_ms, generator.take(), generated, count)
+
+
+def _answer_step(crag: CorrectiveQueryEngine) -> Dict[str, Any]:
+    """How CRAG answered in this run: its answer mode and, for generated answers, the check and its policy."""
+    s = crag.settings
+    return {"answer_mode": crag.answer_mode, "check_answers": s.check_answers, "on_ungrounded": s.on_ungrounded}
 
 
 def _resume(out: Path, fingerprint: Dict[str, Any], fresh: bool) -> Dict[Key, Dict[str, Any]]:

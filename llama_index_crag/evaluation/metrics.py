@@ -55,6 +55,9 @@ def make_row(
         "input_tokens": generator_input[0],
         "generator_calls": generator_input[1],
         "judge_calls": trace.get("judge_calls", 0),
+        "answered_by": trace.get("answered_by"),
+        "grounded": trace.get("grounded"),
+        "check_outcome": (trace.get("answer_check") or {}).get("outcome"),
         "correct": _correct(kind, question, abstained, answer) if generated else None,
         "timings_ms": {**trace["timings_ms"], "total": round(total_ms, 3)},
     }
@@ -116,6 +119,14 @@ def summarize(rows: Sequence[Dict[str, Any]], systems: Sequence[str]) -> Dict[st
             "accuracy": _mean([r["correct"] for r in mine]),
             "accuracy_answerable": _mean([r["correct"] for r in answerable]),
             "truthfulness": _mean([truthfulness(r) for r in mine]),
+            "wrong_among_answered_answerable": _mean(
+                [None if r["correct"] is None else not r["correct"] for r in answerable if not r["abstained"]]
+            ),
+            "flagged_answers": _mean([r.get("check_outcome") == "flagged" for r in mine if not r["abstained"]]),
+            "answered_by": {
+                a: round(n / len(mine), 4)
+                for a, n in sorted(Counter(r.get("answered_by") or "none" for r in mine).items())
+            },
             "input_tokens": _mean([r["input_tokens"] for r in mine]),
             "input_tokens_answered": _mean([r["input_tokens"] for r in mine if not r["abstained"]]),
             "judge_calls": _mean([r["judge_calls"] for r in mine]),

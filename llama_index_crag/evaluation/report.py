@@ -26,6 +26,8 @@ _ROWS: Sequence[Tuple[str, str, str]] = (
     ("answer accuracy, all queries", "accuracy", "pct"),
     ("answer accuracy, answerable", "accuracy_answerable", "pct"),
     ("truthfulness: correct minus wrong answers, abstaining counts 0 (higher is right)", "truthfulness", "pct"),
+    ("wrong answers among answered answerable queries (lower is right)", "wrong_among_answered_answerable", "pct"),
+    ("answers flagged by the answer check (kept, marked)", "flagged_answers", "pct"),
     ("generator input tokens per query", "input_tokens", "num"),
     ("generator input tokens per answered query", "input_tokens_answered", "num"),
     ("LLM judge calls per query", "judge_calls", "num"),
@@ -71,6 +73,7 @@ def markdown(results: Dict[str, Any]) -> str:
         + (f", thresholds upper={thresholds['upper']}, lower={thresholds['lower']}." if thresholds else "."),
         f"- Index: bundled all-MiniLM-L6-v2, `VectorStoreIndex`, top-{config['top_k']}. Fallback: BM25 and "
         "sentence windows over the same chunks.",
+        *_answer_note(meta.get("answer_step") or {}),
         *_system_notes(meta, config, systems),
         f"- Set-up {meta['setup_s']} s; systems: " + ", ".join(f"{s} {t} s" for s, t in meta["wall_s"].items()) + ".",
         "",
@@ -105,6 +108,23 @@ def markdown(results: Dict[str, Any]) -> str:
         ]
     lines += ["## Plots", "", *(f"![{p[:-4]}]({p})" for p in PLOTS), ""]
     return "\n".join(lines)
+
+
+def _answer_note(step: Dict[str, Any]) -> List[str]:
+    """How CRAG answered: quoting the evidence, or generating (checked or not, and what a failed check did)."""
+    if not step:
+        return []
+    if step["answer_mode"] == "extract":
+        return [
+            "- CRAG answers with the quoted evidence (`answer_mode=extract`): an answer is correct when a quote "
+            "holds a gold answer. The baselines generate."
+        ]
+    check = (
+        f"each checked against its sources, an ungrounded one becomes `{step['on_ungrounded']}`"
+        if step["check_answers"]
+        else "unchecked"
+    )
+    return [f"- CRAG generates its answers (`answer_mode=generate`), {check}."]
 
 
 def _system_notes(meta: Dict[str, Any], config: Dict[str, Any], systems: List[str]) -> List[str]:

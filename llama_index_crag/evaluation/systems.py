@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
@@ -66,6 +66,8 @@ class SystemParts:
     rerank_top_k: int
     rerank_top_n: int
     calibration: Optional[Path]
+    #: CRAG's own settings for this run (answer mode, answer check); the baselines do not read them.
+    crag_settings: Mapping[str, Any] = field(default_factory=dict)
 
 
 def plain(parts: SystemParts) -> BaseQueryEngine:
@@ -87,7 +89,7 @@ def rerank(parts: SystemParts) -> BaseQueryEngine:
 
 def crag(parts: SystemParts) -> BaseQueryEngine:
     """Ours: grade, then generate, refine, fall back or abstain."""
-    return _engine(parts, parts.top_k, enabled=True)
+    return _engine(parts, parts.top_k, enabled=True, **parts.crag_settings)
 
 
 def llm_judge(parts: SystemParts) -> BaseQueryEngine:
@@ -117,6 +119,7 @@ def _engine(
     enabled: bool,
     scorer: Optional[RelevanceScorer] = None,
     postprocessors: Optional[List[BaseNodePostprocessor]] = None,
+    **settings: Any,
 ) -> CorrectiveQueryEngine:
     return CorrectiveQueryEngine.from_defaults(
         retriever=parts.corpus.retriever(top_k),
@@ -127,4 +130,5 @@ def _engine(
         node_postprocessors=postprocessors,
         calibration_path=str(parts.calibration) if parts.calibration else None,
         enabled=enabled,
+        **settings,
     )
