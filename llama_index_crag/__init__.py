@@ -6,8 +6,9 @@ errors, a store) does not load the engine, its models and torch.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any, Dict
+
+from llama_index_crag._lazy import LazyExports
 
 #: Each public name and the module that defines it.
 _EXPORTS: Dict[str, str] = {
@@ -57,17 +58,15 @@ __all__ = [
 ]
 
 
+_lazy = LazyExports(__name__, _EXPORTS)
+
+
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'llama_index_crag' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _lazy.get(name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return _lazy.names()
 
 
 if TYPE_CHECKING:

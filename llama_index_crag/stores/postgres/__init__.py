@@ -9,8 +9,9 @@ psycopg is imported on first connection: install the ``[postgres]`` extra.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Dict
+
+from llama_index_crag._lazy import LazyExports
 
 #: Each public name and its module, loaded on first use (so that importing one part does not load the engine).
 _EXPORTS: Dict[str, str] = {
@@ -58,8 +59,12 @@ __all__ = [
 ]
 
 
+_lazy = LazyExports(__name__, _EXPORTS)
+
+
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'llama_index_crag.stores.postgres' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    return _lazy.get(name)
+
+
+def __dir__() -> list[str]:
+    return _lazy.names()
