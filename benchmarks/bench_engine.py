@@ -2,13 +2,16 @@
 
 For each sampled claim the same engine answers with CRAG off (``enabled=False``, as
 ``CRAG_ENABLED=false``) and on, in alternating order, over one index. The LLM is a
-fixed fake (``FixedLLM``: the prompt is built and packed, then answered with a fixed
-text; the rewrite appends a fixed word to the question at once), so the times are
-the pipeline's: retrieval, grading, refinement, fallback retrieval and regrading.
+fixed fake (``FixedLLM``: the prompt is built and packed, then answered at once with the
+context's first two sentences; the rewrite appends a fixed word to the question), so the
+times are the pipeline's: retrieval, grading, refinement, fallback retrieval, regrading
+and the answer check.
 Queries are grouped by the path CRAG took (correct, ambiguous, incorrect) and the
 on/off ratio is given at p50 and p95 for each, for three graders: the bundled
 bi-encoder, the evidence scorer (the engine's default), and reuse of the scores of a
-reranker both pipelines run (no model call of its own). The LLM-judge CRAG is
+reranker both pipelines run (no model call of its own). The evidence scorer runs twice,
+with and without the check of each generated answer against its sources: the two
+rows' difference is the check's cost, and the check's own time is given per answer. The LLM-judge CRAG is
 measured the same way on a smaller sample, its judge the real bundled SmolLM2 (its
 calls are its grading cost). Peak memory: the process's peak RSS after each phase,
 and the peak Python allocation of one query on each path (tracemalloc).
@@ -50,6 +53,7 @@ from llama_index_crag.local.models import default_llm
 from llama_index_crag.scorers import BiEncoderScorer, EvidenceScorer, UpstreamScoreScorer
 
 PATHS = ("correct", "ambiguous", "incorrect")
+_UNCHECKED = {"check_answers": False}
 TOP_K = 5
 RERANK_TOP_K = 10
 
@@ -63,7 +67,11 @@ def _calibrated(build: Any, scorer: Any, path: str) -> CorrectiveQueryEngine:
 
 
 class FixedLLM(CustomLLM):
-    """Answers every prompt with a fixed text at once, and rewrites a query by appending a fixed word."""
+    """Answers at once with the context's first two sentences, and rewrites a query by appending a fixed word.
+
+    An answer drawn from the context gives the answer check what a real answer gives it:
+    figures, names and dates to find in the sources.
+    """
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -71,7 +79,10 @@ class FixedLLM(CustomLLM):
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return CompletionResponse(text="A fixed answer.")
+        parts = prompt.split("---------------------")
+        context = parts[1] if len(parts) > 2 else ""
+        sentences = [s.strip() for s in context.replace("\n", " ").split(". ") if s.strip()]
+        return CompletionResponse(text=". ".join(sentences[:2]) or "A fixed answer.")
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -87,7 +98,7 @@ def peak_rss_mb() -> float:
 
 
 def timed(engine: BaseQueryEngine, question: str) -> Dict[str, Any]:
-    """One query: its action, its pipeline time (less generation and rewrite) and its grading time."""
+    """One query: its action, its pipeline time (less generation and rewrite), its grading and answer-check time."""
     start = time.perf_counter()
     trace = engine.query(question).metadata["crag"]  # type: ignore[index]
     timings = {**trace["timings_ms"], "total": (time.perf_counter() - start) * 1000.0}
@@ -95,6 +106,7 @@ def timed(engine: BaseQueryEngine, question: str) -> Dict[str, Any]:
         "action": trace["action"],
         "pipeline_ms": pipeline_ms({"timings_ms": timings}),
         "grade_ms": timings.get("grade", 0.0) + timings.get("regrade", 0.0),
+        "check_ms": timings.get("check"),
     }
 
 
@@ -120,6 +132,7 @@ def summarize(pairs: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         off = np.array([p["off"]["pipeline_ms"] for p in mine])
         on = np.array([p["on"]["pipeline_ms"] for p in mine])
         grade = np.array([p["on"]["grade_ms"] for p in mine])
+        checks = [p["on"]["check_ms"] for p in mine if p["on"].get("check_ms") is not None]
         found[path] = {
             "queries": len(mine),
             "off_p50": float(np.percentile(off, 50)),
@@ -130,6 +143,8 @@ def summarize(pairs: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
             "ratio_p95": float(np.percentile(on, 95) / np.percentile(off, 95)),
             "grade_ms_p50": float(np.percentile(grade, 50)),
             "grade_ms_mean": float(grade.mean()),
+            "check_ms_p50": float(np.percentile(checks, 50)) if checks else None,
+            "check_ms_p95": float(np.percentile(checks, 95)) if checks else None,
         }
     return found
 
@@ -165,15 +180,16 @@ def markdown(results: Dict[str, Any]) -> str:
         f"sampled (seed {results['seed']}), each through CRAG off and on. Pipeline times in ms: a fixed fake LLM "
         "generates and rewrites; the LLM judge's calls (real SmolLM2) are its grading.",
         "",
-        "| grader | path | queries | off p50 | on p50 | ratio p50 | off p95 | on p95 | ratio p95 | grading ms p50 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| grader | path | queries | off p50 | on p50 | ratio p50 | off p95 | on p95 | ratio p95 | grading ms p50 "
+        "| answer check ms p50 / p95 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for config, paths in results["configurations"].items():
         for path, f in paths.items():
             lines.append(
                 f"| {config} | {path} | {f['queries']} | {f['off_p50']:.0f} | {f['on_p50']:.0f} | "
                 f"{f['ratio_p50']:.2f} | {f['off_p95']:.0f} | {f['on_p95']:.0f} | {f['ratio_p95']:.2f} | "
-                f"{f['grade_ms_p50']:.1f} |"
+                f"{f['grade_ms_p50']:.1f} | {_check_cell(f)} |"
             )
     lines += ["", "Peak RSS (MiB) after each phase:", ""]
     lines += [f"- {phase}: {mb:,.0f}" for phase, mb in results["peak_rss_mb"].items()]
@@ -185,6 +201,12 @@ def markdown(results: Dict[str, Any]) -> str:
         c = results["reader_cascade"]
         lines += ["", f"Reader cascade: {c['reached_the_reader']:.1%} of {c['batches']} graded batches ran the reader."]
     return "\n".join(lines) + "\n"
+
+
+def _check_cell(figures: Dict[str, Any]) -> str:
+    if figures.get("check_ms_p50") is None:
+        return "-"
+    return f"{figures['check_ms_p50']:.2f} / {figures['check_ms_p95']:.2f}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -217,6 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def engine(
         enabled: bool, scorer: Any, top_k: int = TOP_K, postprocessors: Any = None, thresholds: Any = None
     ) -> CorrectiveQueryEngine:
+        """An engine over the corpus; ``thresholds`` are any ``CragSettings`` keywords."""
         return CorrectiveQueryEngine.from_defaults(
             retriever=corpus.retriever(top_k),
             llm=llm,
@@ -234,6 +257,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configurations = {
         "bi-encoder": (off, engine(True, BiEncoderScorer())),
         "evidence (engine default)": (off, engine(True, EvidenceScorer(corpus=texts))),
+        # The same without the answer check: the difference between the two rows is what the check costs.
+        "evidence, answers unchecked": (off, engine(True, EvidenceScorer(corpus=texts), thresholds=_UNCHECKED)),
         "reused reranker scores": (
             engine(False, BiEncoderScorer(), RERANK_TOP_K, [rerank_off]),
             engine(

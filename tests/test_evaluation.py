@@ -346,19 +346,16 @@ class InventingLLM(JudgingLLM):
         return "It was 7,700,000 dollars, decided in 1987 by Oskar Brandt." if text.startswith("ANSWER:") else text
 
 
+def crag_only(dataset: Path, out: Path, **answer_step: Any) -> EvalConfig:
+    """An evaluation of CRAG alone over the tiny dataset, with the answer step given."""
+    return EvalConfig(dataset=dataset, out=out, systems=["crag"], cache_dir=out.parent, progress=False, **answer_step)
+
+
 @pytest.mark.parametrize(("policy", "outcome"), [("flag", "flagged"), ("extract", "extract"), ("abstain", "abstain")])
 def test_eval_runs_crag_with_the_answer_check_policy_it_is_given(
     dataset: Path, tmp_path: Path, policy: str, outcome: str
 ) -> None:
-    config = EvalConfig(
-        dataset=dataset,
-        out=tmp_path / "out",
-        systems=["crag"],
-        cache_dir=tmp_path,
-        progress=False,
-        answer_mode="generate",
-        on_ungrounded=policy,
-    )
+    config = crag_only(dataset, tmp_path / "out", answer_mode="generate", on_ungrounded=policy)
     results = run_evaluation(config, InventingLLM(), count_tokens=words)
     checked = [r for r in results["rows"] if r["check_outcome"] is not None]
     assert checked, "CRAG generated at least one answer, and it was checked"
@@ -380,21 +377,11 @@ def test_eval_with_extract_never_asks_the_generator_for_crag_and_unchecked_keeps
     dataset: Path, tmp_path: Path
 ) -> None:
     quoting = InventingLLM()
-    config = EvalConfig(
-        dataset=dataset, out=tmp_path / "q", systems=["crag"], cache_dir=tmp_path, progress=False, answer_mode="extract"
-    )
+    config = crag_only(dataset, tmp_path / "q", answer_mode="extract")
     rows = run_evaluation(config, quoting, count_tokens=words)["rows"]
     assert quoting.calls["answer"] == 0
     assert {r["answered_by"] for r in rows if not r["abstained"]} == {"extract"}
-    unchecked = EvalConfig(
-        dataset=dataset,
-        out=tmp_path / "u",
-        systems=["crag"],
-        cache_dir=tmp_path,
-        progress=False,
-        answer_mode="generate",
-        check_answers=False,
-    )
+    unchecked = crag_only(dataset, tmp_path / "u", answer_mode="generate", check_answers=False)
     assert unchecked.fingerprint() != config.fingerprint()
     rows = run_evaluation(unchecked, InventingLLM(), count_tokens=words)["rows"]
     answered = [r for r in rows if not r["abstained"]]
