@@ -19,7 +19,14 @@ from llama_index_crag.evaluation.dataset import load_eval_questions
 from llama_index_crag.evaluation.generator import SKIPPED_ANSWER, MeteredLLM
 from llama_index_crag.evaluation.harness import EvalConfig, run_evaluation
 from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
-from llama_index_crag.evaluation.metrics import ANSWERABLE, OUT_OF_CORPUS, UNANSWERABLE, summarize, truthfulness
+from llama_index_crag.evaluation.metrics import (
+    ANSWERABLE,
+    OUT_OF_CORPUS,
+    UNANSWERABLE,
+    apply_policy,
+    summarize,
+    truthfulness,
+)
 from llama_index_crag.evaluation.report import PLOTS
 from llama_index_crag.evaluation.systems import SYSTEMS
 from llama_index_crag.scorers.registry import from_spec
@@ -386,3 +393,32 @@ def test_eval_with_extract_never_asks_the_generator_for_crag_and_unchecked_keeps
     rows = run_evaluation(unchecked, InventingLLM(), count_tokens=words)["rows"]
     answered = [r for r in rows if not r["abstained"]]
     assert answered and all("7,700,000" in r["answer"] and r["check_outcome"] is None for r in answered)
+
+
+def test_a_policy_applied_to_a_flag_run_changes_only_the_flagged_answers() -> None:
+    def row(kind: str, outcome: Optional[str], answer: str, correct: bool, abstained: bool = False) -> Dict[str, Any]:
+        return {"kind": kind, "check_outcome": outcome, "answer": answer, "correct": correct, "abstained": abstained}
+
+    flagged = {
+        (ANSWERABLE, "a"): row(ANSWERABLE, "kept", "Porto", True),
+        (ANSWERABLE, "b"): row(ANSWERABLE, "flagged", "7,700,000 dollars", False),
+        (UNANSWERABLE, "c"): row(UNANSWERABLE, "flagged", "made up", False),
+        (OUT_OF_CORPUS, "d"): row(OUT_OF_CORPUS, None, "", True, abstained=True),
+    }
+    quoted = {
+        (ANSWERABLE, "b"): row(ANSWERABLE, None, '"3.2 million euros"', True),
+        (UNANSWERABLE, "c"): row(UNANSWERABLE, None, "", True, abstained=True),
+    }
+    assert apply_policy(flagged, quoted, "flag") == list(flagged.values())
+    abstained = apply_policy(flagged, quoted, "abstain")
+    assert [(r["abstained"], r["correct"]) for r in abstained] == [
+        (False, True),
+        (True, False),
+        (True, True),
+        (True, True),
+    ]
+    extracted = apply_policy(flagged, quoted, "extract")
+    assert [r["answer"] for r in extracted] == ["Porto", '"3.2 million euros"', "", ""]
+    assert [truthfulness(r) for r in extracted] == [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="unknown policy"):
+        apply_policy(flagged, quoted, "ignore")

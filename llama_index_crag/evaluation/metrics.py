@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from llama_index.core.base.response.schema import RESPONSE_TYPE
@@ -154,6 +154,31 @@ def truthfulness(row: Dict[str, Any]) -> Optional[int]:
     if row["abstained"]:
         return 0
     return 1 if row["kind"] == ANSWERABLE and row["correct"] else -1
+
+
+def apply_policy(
+    flagged: Dict[Tuple[str, str], Dict[str, Any]], quoted: Dict[Tuple[str, str], Dict[str, Any]], policy: str
+) -> List[Dict[str, Any]]:
+    """CRAG's rows under ``policy`` (``on_ungrounded``), from a run with ``flag`` and a run that quoted.
+
+    Generation is deterministic and the policy acts after the check, so a flag run's
+    answers are every policy's answers; only a flagged one changes. ``abstain`` abstains
+    on it; ``extract`` answers with the quotes of the same query's row in ``quoted``
+    (an ``answer_mode=extract`` run, which quotes the same graded context). Rows are
+    keyed by (kind, question id).
+    """
+    if policy not in ("flag", "extract", "abstain"):
+        raise ValueError(f"unknown policy {policy!r}: choose flag, extract or abstain")
+    out = []
+    for key, row in flagged.items():
+        if row.get("check_outcome") != "flagged" or policy == "flag":
+            out.append(row)
+        elif policy == "abstain":
+            out.append({**row, "abstained": True, "answer": "", "correct": row["kind"] != ANSWERABLE})
+        else:
+            quote = quoted[key]
+            out.append({**row, "abstained": quote["abstained"], "answer": quote["answer"], "correct": quote["correct"]})
+    return out
 
 
 def _unsupported(row: Dict[str, Any]) -> Optional[bool]:
