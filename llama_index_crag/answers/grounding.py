@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer
 
@@ -130,13 +131,16 @@ def _quantities(text: str) -> List[Tuple[str, str, str]]:
     return found
 
 
-def _evidence(texts: Sequence[str], strip_min_tokens: int) -> _Evidence:
+def _evidence(texts: Sequence[str], strip_min_tokens: Optional[int]) -> _Evidence:
+    """What the sources hold; their strips only with ``strip_min_tokens`` (the grader's check is the one reader)."""
     text = "\n".join(texts)
     quantities = [(v, u) for _, v, u in _quantities(text)]
     values = {v for v, _ in quantities} | {
         _value(w) for w in re.findall(r"[A-Za-z]+", text) if w.lower() in _WORD_NUMBERS
     }
-    strips = tuple(s.graded_text for t in texts for s in decompose(t, strip_min_tokens))
+    strips: Tuple[str, ...] = ()
+    if strip_min_tokens is not None:
+        strips = tuple(s.graded_text for t in texts for s in decompose(t, strip_min_tokens))
     return _Evidence(
         text=text.casefold(),
         words=frozenset(re.findall(r"[^\W_]+", text.casefold())),
@@ -145,6 +149,12 @@ def _evidence(texts: Sequence[str], strip_min_tokens: int) -> _Evidence:
         quantities=frozenset(q for q in quantities if q[1]),
         strips=strips,
     )
+
+
+@functools.lru_cache(maxsize=1)
+def _sentence_splitter() -> Callable[[str], List[str]]:
+    """LlamaIndex's sentence tokenizer, built once (building it loads NLTK's punkt data)."""
+    return split_by_sentence_tokenizer()
 
 
 def _names(sentence: str) -> List[str]:
@@ -191,15 +201,16 @@ def is_other_language(answer: str, evidence_text: str) -> bool:
         return False
     latin = sum(1 for c in answer if c.isalpha() and c.isascii() or "\u00c0" <= c <= "\u024f")
     letters = sum(1 for c in answer if c.isalpha())
-    source_words = re.findall(r"[^\W\d_]+", evidence_text.lower())
-    source_english = sum(w in _ENGLISH for w in source_words) / max(1, len(source_words))
     if letters and latin / letters < 0.5:
         source_letters = [c for c in evidence_text if c.isalpha()]
         source_latin = sum(1 for c in source_letters if c.isascii() or "\u00c0" <= c <= "\u024f")
         return source_latin / max(1, len(source_letters)) >= 0.5
     english = sum(w in _ENGLISH for w in words) / len(words)
     other = sum(w in _OTHER_LANGUAGES for w in words) / len(words)
-    return source_english >= 0.08 and other >= 0.15 and english < other / 2
+    if other < 0.15 or english >= other / 2:  # an English answer: the sources need not be read
+        return False
+    source_words = re.findall(r"[^\W\d_]+", evidence_text.lower())
+    return sum(w in _ENGLISH for w in source_words) / max(1, len(source_words)) >= 0.08
 
 
 class GroundednessChecker:
@@ -272,10 +283,10 @@ class GroundednessChecker:
                 reason="the answer is not in the language of its sources, so its words cannot be checked",
                 longer_than_context=longer,
             )
-        found = _evidence(sources, self.strip_min_tokens)
+        found = _evidence(sources, self.strip_min_tokens if self.use_scorer else None)
         asked_words = set(re.findall(r"[^\W_]+", question.casefold()))
         asked_terms = set(terms(question))
-        sentences = [s.strip() for s in split_by_sentence_tokenizer()(text) if s.strip()] or [text]
+        sentences = [s.strip() for s in _sentence_splitter()(text) if s.strip()] or [text]
         checked = sentences[: self.max_sentences]
         results = [self._sentence(s, found, asked_words, asked_terms) for s in checked]
         if self.use_scorer and found.strips:
