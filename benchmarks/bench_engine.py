@@ -10,8 +10,9 @@ Queries are grouped by the path CRAG took (correct, ambiguous, incorrect) and th
 on/off ratio is given at p50 and p95 for each, for three graders: the bundled
 bi-encoder, the evidence scorer (the engine's default), and reuse of the scores of a
 reranker both pipelines run (no model call of its own). The evidence scorer runs twice,
-with and without the check of each generated answer against its sources: the two
-rows' difference is the check's cost, and the check's own time is given per answer. The LLM-judge CRAG is
+with and without the check of each generated answer against its sources, and a row of
+its own sets the two against each other (the check's cost), with the check's own time
+per answer. The LLM-judge CRAG is
 measured the same way on a smaller sample, its judge the real bundled SmolLM2 (its
 calls are its grading cost). Peak memory: the process's peak RSS after each phase,
 and the peak Python allocation of one query on each path (tracemalloc).
@@ -63,7 +64,7 @@ def _calibrated(build: Any, scorer: Any, path: str) -> CorrectiveQueryEngine:
     data = json.loads(Path(path).read_text())
     scorer.load_state(data["scorer_state"])
     thresholds = {k: data["thresholds"][k] for k in ("upper", "lower", "strip_threshold") if k in data["thresholds"]}
-    return build(True, scorer, thresholds=thresholds)
+    return build(True, scorer, settings=thresholds)
 
 
 class FixedLLM(CustomLLM):
@@ -242,14 +243,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     texts = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in corpus.nodes]
 
     def engine(
-        enabled: bool,
-        scorer: Any,
-        top_k: int = TOP_K,
-        postprocessors: Any = None,
-        thresholds: Any = None,
-        **settings: Any,
+        enabled: bool, scorer: Any, top_k: int = TOP_K, postprocessors: Any = None, settings: Any = None
     ) -> CorrectiveQueryEngine:
-        """An engine over the corpus; ``thresholds`` and ``settings`` are ``CragSettings`` keywords."""
+        """An engine over the corpus; ``settings`` are ``CragSettings`` keywords (thresholds, the answer check)."""
         return CorrectiveQueryEngine.from_defaults(
             retriever=corpus.retriever(top_k),
             llm=llm,
@@ -258,8 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             response_synthesizer=synthesizer,
             node_postprocessors=postprocessors,
             enabled=enabled,
-            **(thresholds or {}),
-            **settings,
+            **(settings or {}),
         )
 
     off = engine(False, BiEncoderScorer())
@@ -267,7 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rerank_off, rerank_on = (ScorerRerank(BiEncoderScorer(), top_n=TOP_K) for _ in range(2))
     checked, unchecked = (
         engine(True, EvidenceScorer(corpus=texts)),
-        engine(True, EvidenceScorer(corpus=texts), **_UNCHECKED),
+        engine(True, EvidenceScorer(corpus=texts), settings=_UNCHECKED),
     )
     configurations = {
         "bi-encoder": (off, engine(True, BiEncoderScorer())),

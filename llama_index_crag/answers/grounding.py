@@ -132,7 +132,7 @@ def _quantities(text: str) -> List[Tuple[str, str, str]]:
 
 
 def _evidence(texts: Sequence[str], strip_min_tokens: Optional[int]) -> _Evidence:
-    """What the sources hold; their strips only with ``strip_min_tokens`` (the grader's check is the one reader)."""
+    """What the sources hold; split into strips only given ``strip_min_tokens`` (only the grader's check reads them)."""
     text = "\n".join(texts)
     quantities = [(v, u) for _, v, u in _quantities(text)]
     values = {v for v, _ in quantities} | {

@@ -8,9 +8,9 @@ from typing import Any, Literal
 from llama_index.core.llms import MockLLM
 
 from llama_index_crag.answers.grounding import AnswerCheck
+from llama_index_crag.core.settings import AnswerMode
 from llama_index_crag.local.bundled import BUNDLED_GGUF
 
-AnswerMode = Literal["extract", "generate"]
 #: What the engine did with a checked answer: kept it, kept it flagged, replaced it by the quotes, or abstained.
 Outcome = Literal["kept", "flagged", "extract", "abstain"]
 

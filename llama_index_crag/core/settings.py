@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Literal, Mapping, Optional, Tuple, Union
+from typing import Any, ClassVar, Dict, Literal, Mapping, Optional, Tuple, Union, get_args
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -22,6 +22,12 @@ from llama_index_crag.core.settings_sources import (
     reading,
 )
 from llama_index_crag.errors import ConfigError
+
+#: The answer step's choices (``CragSettings.answer_mode`` and ``on_ungrounded``), named once for every caller.
+AnswerMode = Literal["extract", "generate"]
+OnUngrounded = Literal["flag", "extract", "abstain"]
+ANSWER_MODES: Tuple[str, ...] = get_args(AnswerMode)
+ON_UNGROUNDED: Tuple[str, ...] = get_args(OnUngrounded)
 
 ENV_PREFIX = "CRAG_"
 WEB_ENV = f"{ENV_PREFIX}WEB"
@@ -74,7 +80,7 @@ class CragSettings(BaseSettings):
     # room for a question that quotes a paragraph or an error log; anything longer is a document, not a question,
     # and embedding and grading it would cost every other query on the machine its time.
     max_query_chars: int = Field(default=8000, ge=1, description="Longer queries are refused with a clear error.")
-    answer_mode: Optional[Literal["extract", "generate"]] = Field(
+    answer_mode: Optional[AnswerMode] = Field(
         default=None,
         description="extract: answer with the best graded strips, quoted with their sources, no generation; "
         "generate: the synthesizer's answer, checked against its sources. None: extract when the generator is "
@@ -83,7 +89,7 @@ class CragSettings(BaseSettings):
     check_answers: Flag = Field(
         default=True, description="Check every generated answer against the passages it was generated from."
     )
-    on_ungrounded: Literal["flag", "extract", "abstain"] = Field(
+    on_ungrounded: OnUngrounded = Field(
         default="extract",
         description="What an answer that fails the check becomes: kept and flagged, replaced by the quoted "
         "evidence, or an abstention.",

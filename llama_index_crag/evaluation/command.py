@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from llama_index_crag.core.settings import ANSWER_MODES, ON_UNGROUNDED
 from llama_index_crag.evaluation import SYSTEM_NAMES
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 from llama_index_crag.scorers.registry import SPECS, check_spec
@@ -42,14 +43,14 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--calibration", default=None, help="calibration JSON with CRAG's thresholds")
     parser.add_argument(
         "--answer-mode",
-        choices=("extract", "generate"),
+        choices=ANSWER_MODES,
         default=None,
         help="CRAG's answer: the quoted evidence, or the generator's answer (default: the engine's choice for the "
         "generator: extract with the bundled model, generate with Ollama)",
     )
     parser.add_argument(
         "--on-ungrounded",
-        choices=("flag", "extract", "abstain"),
+        choices=ON_UNGROUNDED,
         default=None,
         help="what a generated answer that fails its check becomes (default: the engine's, extract)",
     )

@@ -17,6 +17,7 @@ from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
 from llama_index_crag.core.engine import CorrectiveQueryEngine
+from llama_index_crag.core.settings import ANSWER_MODES, ON_UNGROUNDED
 from llama_index_crag.datasets import content_hash
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.evaluation.corpus import EvalCorpus
@@ -69,10 +70,10 @@ class EvalConfig:
         if unknown:
             raise ConfigError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
         check_spec(self.scorer)
-        if self.answer_mode not in (None, "extract", "generate"):
-            raise ConfigError(f"unknown answer mode {self.answer_mode!r}: choose extract or generate")
-        if self.on_ungrounded not in (None, "flag", "extract", "abstain"):
-            raise ConfigError(f"unknown on_ungrounded {self.on_ungrounded!r}: choose flag, extract or abstain")
+        if self.answer_mode not in (None, *ANSWER_MODES):
+            raise ConfigError(f"unknown answer mode {self.answer_mode!r}: choose {' or '.join(ANSWER_MODES)}")
+        if self.on_ungrounded not in (None, *ON_UNGROUNDED):
+            raise ConfigError(f"unknown on_ungrounded {self.on_ungrounded!r}: choose {', '.join(ON_UNGROUNDED)}")
 
     def crag_settings(self) -> Dict[str, Any]:
         """The answer-step settings CRAG is built with (only those given; the rest stay the engine's defaults)."""

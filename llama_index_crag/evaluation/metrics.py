@@ -10,6 +10,7 @@ import numpy as np
 from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.schema import MetadataMode
 
+from llama_index_crag.core.settings import ON_UNGROUNDED
 from llama_index_crag.evaluation.dataset import EvalQuestion, contains_any
 
 ANSWERABLE, UNANSWERABLE, OUT_OF_CORPUS = "answerable", "unanswerable", "out_of_corpus"
@@ -167,8 +168,8 @@ def apply_policy(
     (an ``answer_mode=extract`` run, which quotes the same graded context). Rows are
     keyed by (kind, question id).
     """
-    if policy not in ("flag", "extract", "abstain"):
-        raise ValueError(f"unknown policy {policy!r}: choose flag, extract or abstain")
+    if policy not in ON_UNGROUNDED:
+        raise ValueError(f"unknown policy {policy!r}: choose {', '.join(ON_UNGROUNDED)}")
     out = []
     for key, row in flagged.items():
         if row.get("check_outcome") != "flagged" or policy == "flag":
