@@ -10,7 +10,7 @@ from llama_index.core import VectorStoreIndex
 from llama_index.core.llms import MockLLM
 
 from llama_index_crag import CorrectiveQueryEngine
-from llama_index_crag.answers.extract import QUOTED_HEADER
+from llama_index_crag.answers.extract import QUOTED_HEADER, states_what_is_asked
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode
@@ -108,6 +108,24 @@ def test_extract_mode_quotes_the_best_strips_with_their_source_and_generates_not
     texts = [n.node.get_content() for n in response.source_nodes]
     assert all(any(q["text"] in " ".join(t.split()) for t in texts) for q in trace["quotes"]), "quotes are verbatim"
     assert llm.calls["answer"] == 0 and trace["grounded"] is None
+
+
+@pytest.mark.parametrize(
+    ("question", "text", "states"),
+    [
+        ("What was the ARR in Q2 2023?", "ARR reached $61.4 million at the end of Q2 2023.", True),
+        ("What was the ARR in Q2 2023?", "ARR reached $70.2 million at the end of Q3 2023.", False),
+        ("Which SDK version does the guide install?", "The guide installs version 4.3.1 of the SDK.", True),
+        ("Does a 40mg/day dose of folic acid help?", "Participants received 40 mg of folic acid daily.", True),
+        ("Does a 40mg/day dose of folic acid help?", "Participants received 4 mg of folic acid daily.", False),
+        ("76-85% of serious cases receive no treatment.", "76.3% to 85.4% of serious cases had none.", True),
+        ("76-85% of serious cases receive no treatment.", "76.3% of serious cases had none.", False),
+        ("How long did the EU-2 outage last?", "The EU-2 outage lasted 4 hours.", True),
+        ("How long did the EU-2 outage last?", "The EU-2 outage began at 09:10.", False),
+    ],
+)
+def test_a_quote_must_state_the_figures_and_codes_asked(question: str, text: str, states: bool) -> None:
+    assert states_what_is_asked(question, text) is states
 
 
 def test_quotes_keep_document_order_within_a_passage(embed_model: Any) -> None:

@@ -15,6 +15,10 @@ from llama_index_crag.scorers.base import RelevanceScorer
 
 #: Figures and codes a question names: years, quarters, versions, regions ("2023", "Q2", "7.2.1", "EU-2").
 _CODES = re.compile(r"[\w-]*\d(?:[\w-]|\.\d)*")
+#: A range of plain numbers ("76-85"): each end must be stated, as written or as a decimal ("76.3% to 85.4%").
+_NUMBER_RANGE = re.compile(r"\d+(?:\.\d+)?-\d+(?:\.\d+)?")
+#: The space a text may put between a number and its unit ("40 mg" for "40mg").
+_UNIT_GAP = re.compile(r"(?<=\d)\s+(?=[^\W\d_])")
 #: The line that opens every quoted answer, so that nobody reads it as generated text.
 QUOTED_HEADER = "Quoted from the documents (not generated):"
 
@@ -61,12 +65,19 @@ def source_name(node: NodeWithScore) -> str:
 def states_what_is_asked(question: str, text: str) -> bool:
     """Whether ``text`` can answer ``question`` as a quote: it holds the kind of answer asked (a duration for
     "how long", a date for "when", a name for "who"), and every figure or code the question names ("Q2 2023",
-    "EU-2", "7.2.1"). A strip about Q3 does not answer a question about Q2, however well it grades."""
+    "EU-2", "7.2.1"). A strip about Q3 does not answer a question about Q2, however well it grades.
+
+    A number may stand apart from its unit ("40 mg" states "40mg"), and a range of numbers is stated when both
+    of its ends are ("76-85%" by "76.3% to 85.4%")."""
     kinds = asked_kinds(question)
     if kinds is not None and not holds_kind(kinds, text, question):
         return False
-    lowered = text.casefold()
-    return all(code.casefold() in lowered for code in _CODES.findall(question))
+    lowered = _UNIT_GAP.sub("", text.casefold())
+    for code in _CODES.findall(question.casefold()):
+        ends = code.split("-") if _NUMBER_RANGE.fullmatch(code) else [code]
+        if not all(end in lowered for end in ends):
+            return False
+    return True
 
 
 class EvidenceQuoter:
