@@ -206,6 +206,22 @@ def test_train_grader_writes_a_grader_directory_from_the_command_line(
     assert info["stopped"].startswith("time budget") and (out / "reader.safetensors").exists()
 
 
+def test_train_grader_stops_at_max_steps_with_cls_pooling_and_figures_by_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llama_index_crag.cli import main
+
+    out = tmp_path / "grader"
+    args = ["train-grader", "--corpus", str(SAMPLE_DIR), "--out", str(out), "--pairs", "300", "--minutes", "5"]
+    assert main([*args, "--max-length", "48", "--max-steps", "2", "--pooling", "cls", "--no-progress"]) == 0
+    assert "Held-out AUROC by source: corpus " in capsys.readouterr().out
+    info = json.loads((out / GRADER_FILE).read_text())
+    assert info["steps"] == 2 < info["total_steps"] and info["stopped"] == "step limit of 2 reached"
+    assert set(info["held_out_auroc_by_source"]) == {"corpus"} and info["config"]["pooling"] == "cls"
+    reader, _, _ = load_reader(out, quantize=False)
+    assert reader.pooling == "cls"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("question", "answers", "does_not"),

@@ -13,11 +13,13 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
-from llama_index_crag.errors import GraderLoadError
+from llama_index_crag.errors import ConfigError, GraderLoadError
 
 GRADER_VERSION = 1
 GRADER_FILE = "grader.json"
 WEIGHTS_FILE = "reader.safetensors"
+#: How the token states become the head's input: their mean (default), or the first ([CLS]) token's state.
+POOLINGS = ("mean", "cls")
 
 
 def file_sha256(path: Path) -> str:
@@ -45,11 +47,14 @@ def base_fingerprint(base: Path) -> str:
 class Reader:
     """The cross-encoder: an encoder, mean pooling and a linear head over (question, passage) pairs."""
 
-    def __init__(self, base: Path, max_length: int = 128, device: str = "cpu") -> None:
+    def __init__(self, base: Path, max_length: int = 128, device: str = "cpu", pooling: str = "mean") -> None:
         import torch
         from transformers import AutoModel, AutoTokenizer
 
+        if pooling not in POOLINGS:
+            raise ConfigError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
         self.base = base
+        self.pooling = pooling
         self.max_length = max_length
         self.device = device
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
@@ -72,6 +77,8 @@ class Reader:
 
     def logits(self, batch: Dict[str, Any], encoder: Any = None) -> Any:
         states = (encoder or self.encoder)(**batch).last_hidden_state
+        if self.pooling == "cls":
+            return self.head(states[:, 0]).squeeze(-1)
         mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
         pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1.0)
         return self.head(pooled).squeeze(-1)

@@ -84,6 +84,10 @@ class TrainingConfig:
     checkpoint_every: int = 50
     seed: int = 0
     threads: Optional[int] = None
+    #: Stop after this step of the schedule (which stays that of ``epochs``): for equal-step comparisons; resumable.
+    max_steps: Optional[int] = None
+    #: How token states become one vector for the head: "mean" (the default) or "cls" (the first token's state).
+    pooling: str = "mean"
     #: "cpu" (the point: a grader trained where it will run), or "cuda" where a GPU is at hand.
     device: str = "cpu"
 
@@ -100,8 +104,22 @@ def _held_out_sample(pairs: Sequence[Pair], size: int, seed: int) -> List[Pair]:
     return list(pairs) if len(pairs) <= size else rng.sample(list(pairs), size)
 
 
-# A resumed run may get a new time budget or thread count; anything else changes what it learns.
-_RUN_ONLY = ("minutes", "threads")
+def _by_source(held: Sequence[Pair], scores: np.ndarray) -> Dict[str, float]:
+    """Held-out AUROC of each source that has both labels: a labelled pair's source is the part of its ``kind``
+    before the colon ("qnli:sentence_entailment"); pairs made from a corpus are "corpus"."""
+    groups: Dict[str, List[int]] = {}
+    for i, pair in enumerate(held):
+        groups.setdefault(pair.kind.split(":")[0] if ":" in pair.kind else "corpus", []).append(i)
+    out = {}
+    for source, rows in sorted(groups.items()):
+        labels = [held[i].label for i in rows]
+        if 0 < sum(labels) < len(labels):
+            out[source] = round(auroc(labels, scores[rows]), 4)
+    return out
+
+
+# A resumed run may get a new time budget, step limit or thread count; anything else changes what it learns.
+_RUN_ONLY = ("minutes", "threads", "max_steps")
 
 
 def _resumable(config: dict) -> dict:
@@ -135,7 +153,7 @@ def train_grader(
     started = time.monotonic()
     budget_s = config.minutes * 60.0
 
-    reader = Reader(base, config.max_length, device=config.device)
+    reader = Reader(base, config.max_length, device=config.device, pooling=config.pooling)
     names = reader.trainable(config.train_layers)
     params = [p for p in reader.model.parameters() if p.requires_grad]
     encoder_params = [p for p in reader.encoder.parameters() if p.requires_grad]
@@ -163,14 +181,20 @@ def train_grader(
     held = _held_out_sample(pairs.held_out, config.eval_pairs, config.seed)
     held_labels = [p.label for p in held]
 
+    def held_scores(encoder: Any = None) -> np.ndarray:
+        return reader.score([p.query for p in held], [p.passage for p in held], encoder=encoder)
+
     def evaluate(encoder: Any = None) -> float:
-        return auroc(held_labels, reader.score([p.query for p in held], [p.passage for p in held], encoder=encoder))
+        return auroc(held_labels, held_scores(encoder))
 
     step, best, history, trained_s = 0, -1.0, [], 0.0
     checkpoint = out / CHECKPOINT_FILE
     if checkpoint.exists():
         saved = torch.load(str(checkpoint), weights_only=False, map_location=config.device)
-        if _resumable(saved["config"]) != _resumable(asdict(config)) or saved["pairs"] != len(pairs.train):
+        # Settings added since the checkpoint was written take the value that run had: their defaults.
+        if _resumable({**asdict(TrainingConfig()), **saved["config"]}) != _resumable(asdict(config)) or saved[
+            "pairs"
+        ] != len(pairs.train):
             raise GraderLoadError(f"{checkpoint} was made with other settings or pairs: remove it to start afresh")
         reader.model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
@@ -214,7 +238,8 @@ def train_grader(
     bar = tqdm(total=total_steps, initial=step, desc="training reader", unit="step", disable=not progress)
     stopped = "finished"
     window_start, window_pairs = time.monotonic(), 0
-    while step < total_steps:
+    last_step = min(total_steps, config.max_steps or total_steps)
+    while step < last_step:
         if time.monotonic() - started + final_s > budget_s:
             stopped = f"time budget of {config.minutes:g} min reached"
             break
@@ -240,12 +265,15 @@ def train_grader(
         if step % config.checkpoint_every == 0:
             save_checkpoint()
     bar.close()
+    if stopped == "finished" and step < total_steps:
+        stopped = f"step limit of {last_step} reached"
     if history[-1]["step"] != step:  # the last steps since an evaluation count too
         remember(evaluate(), window_pairs / max(time.monotonic() - window_start, 1e-9))
     save_checkpoint()
 
     reader.to("cpu").load(out / WEIGHTS_FILE)
-    fp32 = evaluate()
+    scores = held_scores()
+    fp32 = auroc(held_labels, scores)
     int8 = evaluate(reader.quantized_encoder())
     description = {
         "version": GRADER_VERSION,
@@ -264,6 +292,7 @@ def train_grader(
         "held_out_auroc": round(fp32, 4),
         "held_out_auroc_int8": round(int8, 4),
         "held_out_pairs": len(held),
+        "held_out_auroc_by_source": _by_source(held, scores),
         "history": history,
         "minutes": round((trained_s + time.monotonic() - started) / 60.0, 2),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -59,6 +59,15 @@ def add_parsers(commands: Any) -> None:
     train.add_argument("--batch-size", type=int, default=16, help="pairs a step")
     train.add_argument("--lr", type=float, default=5e-5, help="peak encoder learning rate (warm-up, decay)")
     train.add_argument("--train-layers", type=int, default=6, help="top encoder layers trained (6: all of MiniLM)")
+    train.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="stop after this step of the --epochs schedule (to compare settings at equal steps); run again to go on",
+    )
+    train.add_argument(
+        "--pooling", choices=("mean", "cls"), default="mean", help="token states to the head: their mean, or [CLS]'s"
+    )
     train.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     train.add_argument("--seed", type=int, default=0, help="seed for pairs, order and initialisation")
     train.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU (inference stays on CPU)")
@@ -180,6 +189,8 @@ def _train_grader(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         train_layers=args.train_layers,
         minutes=args.minutes,
+        max_steps=args.max_steps,
+        pooling=args.pooling,
         seed=args.seed,
         threads=args.threads,
         device=args.device,
@@ -190,6 +201,8 @@ def _train_grader(args: argparse.Namespace) -> int:
         f"({info['stopped']}): held-out AUROC {info['history'][0]['held_out_auroc']:.3f} untrained -> "
         f"{info['held_out_auroc']:.3f} (int8: {info['held_out_auroc_int8']:.3f}). Wrote {args.out}."
     )
+    by_source = ", ".join(f"{k} {v:.3f}" for k, v in info["held_out_auroc_by_source"].items())
+    print(f"Held-out AUROC by source: {by_source}.")
     if info["held_out_auroc"] < 0.9 and info["stopped"] == "finished" and not args.pairs_file:
         print("Held-out AUROC below 0.9 on synthetic pairs: the pairs are too hard or noisy for this corpus.")
     print(f"Use it: llama-crag calibrate --scorer reader:{args.out} ..., or CRAG_GRADER={args.out}")

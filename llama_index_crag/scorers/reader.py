@@ -77,7 +77,7 @@ def load_reader(
             f"{path} was trained on base model {info.get('base_model')} ({info.get('base_fingerprint')}), "
             f"not on {base} ({base_fingerprint(base)}): retrain it with llama-crag train-grader"
         )
-    reader = Reader(base, int(info["max_length"]))
+    reader = Reader(base, int(info["max_length"]), pooling=str(info.get("config", {}).get("pooling", "mean")))
     reader.load(weights)
     reader.model.eval()
     quantize = bool(info.get("quantize", True)) if quantize is None else quantize
