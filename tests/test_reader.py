@@ -18,6 +18,7 @@ from llama_index_crag.calibration.pairs import (
     PairSet,
     make_pairs,
 )
+from llama_index_crag.calibration.reader_model import Reader as ReaderModel
 from llama_index_crag.calibration.training import TrainingConfig, train_grader
 from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.scorers.evidence import FEATURES
@@ -220,6 +221,25 @@ def test_train_grader_stops_at_max_steps_with_cls_pooling_and_figures_by_source(
     assert set(info["held_out_auroc_by_source"]) == {"corpus"} and info["config"]["pooling"] == "cls"
     reader, _, _ = load_reader(out, quantize=False)
     assert reader.pooling == "cls"
+
+
+def test_a_lora_adapter_is_saved_merged_so_that_a_plain_reader_loads_it(tmp_path: Path) -> None:
+    import torch
+
+    from llama_index_crag.cli import main
+
+    out = tmp_path / "grader"
+    args = ["train-grader", "--corpus", str(SAMPLE_DIR), "--out", str(out), "--pairs", "300", "--minutes", "5"]
+    assert main([*args, "--max-length", "48", "--max-steps", "2", "--lora-rank", "4", "--no-progress"]) == 0
+    info = json.loads((out / GRADER_FILE).read_text())
+    names = set(info["trained_parameters"])
+    # Every layer is adapted (the lowest too), under the names of a plain reader; no adapter weights are saved.
+    assert "encoder.encoder.layer.0.attention.self.query.weight" in names and "head.weight" in names
+    assert not any("lora_" in n or "base_layer" in n for n in names)
+    reader, encoder, _ = load_reader(out, quantize=False)
+    lowest = "encoder.layer.0.attention.self.query.weight"
+    trained, untrained = reader.encoder.state_dict()[lowest], ReaderModel(reader.base).encoder.state_dict()[lowest]
+    assert not torch.equal(trained, untrained), "the merged adapter's weights are what a plain reader loads"
 
 
 @pytest.mark.slow

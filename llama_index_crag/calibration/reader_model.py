@@ -20,6 +20,8 @@ GRADER_FILE = "grader.json"
 WEIGHTS_FILE = "reader.safetensors"
 #: How the token states become the head's input: their mean (default), or the first ([CLS]) token's state.
 POOLINGS = ("mean", "cls")
+#: The encoder's linear layers that a LoRA adapter trains (every layer's attention and feed-forward, not the pooler).
+LORA_TARGETS = r".*layer\.\d+\..*(query|key|value|dense)"
 
 
 def file_sha256(path: Path) -> str:
@@ -47,7 +49,9 @@ def base_fingerprint(base: Path) -> str:
 class Reader:
     """The cross-encoder: an encoder, mean pooling and a linear head over (question, passage) pairs."""
 
-    def __init__(self, base: Path, max_length: int = 128, device: str = "cpu", pooling: str = "mean") -> None:
+    def __init__(
+        self, base: Path, max_length: int = 128, device: str = "cpu", pooling: str = "mean", lora_rank: int = 0
+    ) -> None:
         import torch
         from transformers import AutoModel, AutoTokenizer
 
@@ -59,6 +63,17 @@ class Reader:
         self.device = device
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
         self.encoder = AutoModel.from_pretrained(str(base))
+        self.lora_rank = lora_rank
+        if lora_rank < 0:
+            raise ConfigError(f"lora_rank must be 0 (no adapter) or more, not {lora_rank}")
+        if lora_rank:  # training only: what is saved is the merged weights, which a plain reader loads
+            try:
+                from peft import LoraConfig, get_peft_model
+            except ImportError as exc:
+                raise ConfigError("a LoRA adapter needs peft: pip install 'llama-index-crag[train]'") from exc
+
+            adapter = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.1, target_modules=LORA_TARGETS)
+            self.encoder = get_peft_model(self.encoder, adapter)
         self.head = torch.nn.Linear(self.encoder.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.bias)
         torch.nn.init.normal_(self.head.weight, std=0.02)
@@ -84,7 +99,12 @@ class Reader:
         return self.head(pooled).squeeze(-1)
 
     def trainable(self, layers: int) -> List[str]:
-        """Freeze all but the top ``layers`` encoder layers (all of them when ``layers`` covers the model)."""
+        """Freeze all but the top ``layers`` encoder layers (all of them when ``layers`` covers the model), or, with
+        a LoRA adapter, all but the adapter and the head; returns the names of the weights ``save`` writes."""
+        if self.lora_rank:
+            for name, param in self.model.named_parameters():
+                param.requires_grad = name.startswith("head.") or "lora_" in name
+            return sorted(self._merged_state())
         total = self.encoder.config.num_hidden_layers
         names = []
         for name, param in self.model.named_parameters():
@@ -130,9 +150,20 @@ class Reader:
         import torch
         from safetensors.torch import save_file
 
-        state = self.model.state_dict()
+        state = self._merged_state() if self.lora_rank else self.model.state_dict()
         dtype = torch.float16 if half else torch.float32
         save_file({n: state[n].detach().cpu().to(dtype).contiguous() for n in names}, str(out / WEIGHTS_FILE))
+
+    def _merged_state(self) -> Dict[str, Any]:
+        """With a LoRA adapter: the adapted weights merged into the base's, by their names in a plain reader."""
+        import re
+
+        merged = copy.deepcopy(self.encoder).merge_and_unload()
+        state = {
+            f"encoder.{n}": w for n, w in merged.state_dict().items() if re.fullmatch(LORA_TARGETS + r"\.weight", n)
+        }
+        state.update({f"head.{n}": w for n, w in self.head.state_dict().items()})
+        return state
 
     def load(self, path: Path) -> None:
         """Load trained weights over the base model's; float16 weights are cast to the model's float32."""

@@ -88,6 +88,8 @@ class TrainingConfig:
     max_steps: Optional[int] = None
     #: How token states become one vector for the head: "mean" (the default) or "cls" (the first token's state).
     pooling: str = "mean"
+    #: Train a LoRA adapter of this rank on every layer instead of the top ``train_layers`` (0: no adapter).
+    lora_rank: int = 0
     #: "cpu" (the point: a grader trained where it will run), or "cuda" where a GPU is at hand.
     device: str = "cpu"
 
@@ -153,7 +155,7 @@ def train_grader(
     started = time.monotonic()
     budget_s = config.minutes * 60.0
 
-    reader = Reader(base, config.max_length, device=config.device, pooling=config.pooling)
+    reader = Reader(base, config.max_length, device=config.device, pooling=config.pooling, lora_rank=config.lora_rank)
     names = reader.trainable(config.train_layers)
     params = [p for p in reader.model.parameters() if p.requires_grad]
     encoder_params = [p for p in reader.encoder.parameters() if p.requires_grad]
@@ -181,8 +183,8 @@ def train_grader(
     held = _held_out_sample(pairs.held_out, config.eval_pairs, config.seed)
     held_labels = [p.label for p in held]
 
-    def held_scores(encoder: Any = None) -> np.ndarray:
-        return reader.score([p.query for p in held], [p.passage for p in held], encoder=encoder)
+    def held_scores(encoder: Any = None, model: Optional[Reader] = None) -> np.ndarray:
+        return (model or reader).score([p.query for p in held], [p.passage for p in held], encoder=encoder)
 
     def evaluate(encoder: Any = None) -> float:
         return auroc(held_labels, held_scores(encoder))
@@ -271,10 +273,12 @@ def train_grader(
         remember(evaluate(), window_pairs / max(time.monotonic() - window_start, 1e-9))
     save_checkpoint()
 
-    reader.to("cpu").load(out / WEIGHTS_FILE)
-    scores = held_scores()
+    # The figures are of what was saved, read back as inference reads it: a plain reader on the CPU.
+    final = Reader(base, config.max_length, pooling=config.pooling) if config.lora_rank else reader.to("cpu")
+    final.load(out / WEIGHTS_FILE)
+    scores = held_scores(model=final)
     fp32 = auroc(held_labels, scores)
-    int8 = evaluate(reader.quantized_encoder())
+    int8 = auroc(held_labels, held_scores(final.quantized_encoder(), model=final))
     description = {
         "version": GRADER_VERSION,
         "kind": "reader",

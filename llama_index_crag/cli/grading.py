@@ -68,6 +68,13 @@ def add_parsers(commands: Any) -> None:
     train.add_argument(
         "--pooling", choices=("mean", "cls"), default="mean", help="token states to the head: their mean, or [CLS]'s"
     )
+    train.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train a LoRA adapter of this rank on every layer instead of the top --train-layers (needs peft: "
+        "pip install 'llama-index-crag[train]'); what is saved is the merged weights",
+    )
     train.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     train.add_argument("--seed", type=int, default=0, help="seed for pairs, order and initialisation")
     train.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU (inference stays on CPU)")
@@ -191,6 +198,7 @@ def _train_grader(args: argparse.Namespace) -> int:
         minutes=args.minutes,
         max_steps=args.max_steps,
         pooling=args.pooling,
+        lora_rank=args.lora_rank,
         seed=args.seed,
         threads=args.threads,
         device=args.device,
