@@ -194,9 +194,8 @@ def train_grader(
     if checkpoint.exists():
         saved = torch.load(str(checkpoint), weights_only=False, map_location=config.device)
         # Settings added since the checkpoint was written take the value that run had: their defaults.
-        if _resumable({**asdict(TrainingConfig()), **saved["config"]}) != _resumable(asdict(config)) or saved[
-            "pairs"
-        ] != len(pairs.train):
+        saved_config = _resumable({**asdict(TrainingConfig()), **saved["config"]})
+        if saved_config != _resumable(asdict(config)) or saved["pairs"] != len(pairs.train):
             raise GraderLoadError(f"{checkpoint} was made with other settings or pairs: remove it to start afresh")
         reader.model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
