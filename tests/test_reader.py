@@ -9,6 +9,7 @@ from typing import Any, Dict
 
 import numpy as np
 import pytest
+import torch
 
 from llama_index_crag.calibration.pairs import (
     ANSWER_REMOVED,
@@ -134,6 +135,11 @@ def test_training_resumes_from_its_checkpoint(pairs: PairSet, grader: Path, tmp_
     again = tmp_path / "again"
     shutil.copytree(grader, again)
     info = json.loads((again / GRADER_FILE).read_text())
+    # A checkpoint written before the recipe options existed resumes as if they had their defaults.
+    saved = torch.load(str(again / "checkpoint.pt"), weights_only=False)
+    for newer in ("max_steps", "pooling", "lora_rank"):
+        del saved["config"][newer]
+    torch.save(saved, str(again / "checkpoint.pt"))
     # Bounded by its 60 steps; the time budget is only a guard, generous for a loaded machine.
     config = TrainingConfig(max_length=64, minutes=20, eval_every=20, eval_pairs=200, epochs=60 * 16 / len(pairs.train))
     resumed = train_grader(pairs, again, config=config, progress=False, log=lambda _: None)
@@ -224,8 +230,6 @@ def test_train_grader_stops_at_max_steps_with_cls_pooling_and_figures_by_source(
 
 
 def test_a_lora_adapter_is_saved_merged_so_that_a_plain_reader_loads_it(tmp_path: Path) -> None:
-    import torch
-
     from llama_index_crag.cli import main
 
     out = tmp_path / "grader"
