@@ -236,6 +236,7 @@ def test_a_lora_adapter_is_saved_merged_so_that_a_plain_reader_loads_it(tmp_path
     args = ["train-grader", "--corpus", str(SAMPLE_DIR), "--out", str(out), "--pairs", "300", "--minutes", "5"]
     assert main([*args, "--max-length", "48", "--max-steps", "2", "--lora-rank", "4", "--no-progress"]) == 0
     info = json.loads((out / GRADER_FILE).read_text())
+    assert info["config"]["learning_rate"] == 5e-4, "an adapter learns at LoRA's usual rate unless --lr says"
     names = set(info["trained_parameters"])
     # Every layer is adapted (the lowest too), under the names of a plain reader; no adapter weights are saved.
     assert "encoder.encoder.layer.0.attention.self.query.weight" in names and "head.weight" in names

@@ -57,7 +57,12 @@ def add_parsers(commands: Any) -> None:
     train.add_argument("--epochs", type=float, default=1.0, help="passes over the training pairs")
     train.add_argument("--max-length", type=int, default=128, help="tokens of question and passage together")
     train.add_argument("--batch-size", type=int, default=16, help="pairs a step")
-    train.add_argument("--lr", type=float, default=5e-5, help="peak encoder learning rate (warm-up, decay)")
+    train.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak encoder learning rate (warm-up, decay; default 5e-5, or 5e-4 with --lora-rank)",
+    )
     train.add_argument("--train-layers", type=int, default=6, help="top encoder layers trained (6: all of MiniLM)")
     train.add_argument(
         "--max-steps",
@@ -192,7 +197,7 @@ def _train_grader(args: argparse.Namespace) -> int:
     config = TrainingConfig(
         max_length=args.max_length,
         batch_size=args.batch_size,
-        learning_rate=args.lr,
+        learning_rate=args.lr if args.lr is not None else (5e-4 if args.lora_rank else 5e-5),
         epochs=args.epochs,
         train_layers=args.train_layers,
         minutes=args.minutes,
