@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
@@ -22,6 +23,7 @@ WEIGHTS_FILE = "reader.safetensors"
 POOLINGS = ("mean", "cls")
 #: The encoder's linear layers that a LoRA adapter trains (every layer's attention and feed-forward, not the pooler).
 LORA_TARGETS = r".*layer\.\d+\..*(query|key|value|dense)"
+_LORA_WEIGHT = re.compile(LORA_TARGETS + r"\.weight")
 
 
 def file_sha256(path: Path) -> str:
@@ -57,6 +59,8 @@ class Reader:
 
         if pooling not in POOLINGS:
             raise ConfigError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
+        if lora_rank < 0:
+            raise ConfigError(f"lora_rank must be 0 (no adapter) or more, not {lora_rank}")
         self.base = base
         self.pooling = pooling
         self.max_length = max_length
@@ -64,8 +68,6 @@ class Reader:
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
         self.encoder = AutoModel.from_pretrained(str(base))
         self.lora_rank = lora_rank
-        if lora_rank < 0:
-            raise ConfigError(f"lora_rank must be 0 (no adapter) or more, not {lora_rank}")
         if lora_rank:  # training only: what is saved is the merged weights, which a plain reader loads
             try:
                 from peft import LoraConfig, get_peft_model
@@ -156,12 +158,8 @@ class Reader:
 
     def _merged_state(self) -> Dict[str, Any]:
         """With a LoRA adapter: the adapted weights merged into the base's, by their names in a plain reader."""
-        import re
-
         merged = copy.deepcopy(self.encoder).merge_and_unload()
-        state = {
-            f"encoder.{n}": w for n, w in merged.state_dict().items() if re.fullmatch(LORA_TARGETS + r"\.weight", n)
-        }
+        state = {f"encoder.{n}": w for n, w in merged.state_dict().items() if _LORA_WEIGHT.fullmatch(n)}
         state.update({f"head.{n}": w for n, w in self.head.state_dict().items()})
         return state
 

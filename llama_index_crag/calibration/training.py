@@ -40,6 +40,8 @@ from llama_index_crag.calibration.reader_model import (
 from llama_index_crag.errors import DatasetError, GraderLoadError
 
 CHECKPOINT_FILE = "checkpoint.pt"
+#: A LoRA adapter's learning rate when none is given: LoRA's usual tenfold of full fine-tuning's.
+LORA_LEARNING_RATE = 5e-4
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,11 @@ class TrainingConfig:
     lora_rank: int = 0
     #: "cpu" (the point: a grader trained where it will run), or "cuda" where a GPU is at hand.
     device: str = "cpu"
+
+
+def default_learning_rate(lora_rank: int) -> float:
+    """The learning rate when none is given: ``TrainingConfig``'s, or ``LORA_LEARNING_RATE`` with an adapter."""
+    return LORA_LEARNING_RATE if lora_rank else TrainingConfig.learning_rate
 
 
 def auroc(labels: Sequence[int], scores: ArrayLike) -> float:

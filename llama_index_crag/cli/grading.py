@@ -10,6 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from llama_index_crag.calibration.reader_model import POOLINGS
 from llama_index_crag.errors import ConfigError
 
 
@@ -71,7 +72,7 @@ def add_parsers(commands: Any) -> None:
         help="stop after this step of the --epochs schedule (to compare settings at equal steps); run again to go on",
     )
     train.add_argument(
-        "--pooling", choices=("mean", "cls"), default="mean", help="token states to the head: their mean, or [CLS]'s"
+        "--pooling", choices=POOLINGS, default="mean", help="token states to the head: their mean, or [CLS]'s"
     )
     train.add_argument(
         "--lora-rank",
@@ -174,7 +175,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _train_grader(args: argparse.Namespace) -> int:
     from llama_index_crag.calibration.labelled import load_labelled_pairs
     from llama_index_crag.calibration.pairs import make_pairs
-    from llama_index_crag.calibration.training import PairSet, TrainingConfig, train_grader
+    from llama_index_crag.calibration.training import PairSet, TrainingConfig, default_learning_rate, train_grader
 
     if not args.corpus and not args.pairs_file:
         raise ConfigError(
@@ -197,7 +198,7 @@ def _train_grader(args: argparse.Namespace) -> int:
     config = TrainingConfig(
         max_length=args.max_length,
         batch_size=args.batch_size,
-        learning_rate=args.lr if args.lr is not None else (5e-4 if args.lora_rank else 5e-5),
+        learning_rate=args.lr if args.lr is not None else default_learning_rate(args.lora_rank),
         epochs=args.epochs,
         train_layers=args.train_layers,
         minutes=args.minutes,
