@@ -19,6 +19,7 @@ from llama_index_crag.calibration.pairs import (
     PairSet,
     make_pairs,
 )
+from llama_index_crag.calibration.reader_model import LORA_TARGETS
 from llama_index_crag.calibration.reader_model import Reader as ReaderModel
 from llama_index_crag.calibration.training import TrainingConfig, train_grader
 from llama_index_crag.datasets import SAMPLE_DIR
@@ -229,7 +230,11 @@ def test_train_grader_stops_at_max_steps_with_cls_pooling_and_figures_by_source(
     assert reader.pooling == "cls"
 
 
-def test_a_lora_adapter_is_saved_merged_so_that_a_plain_reader_loads_it(tmp_path: Path) -> None:
+def test_a_lora_adapter_is_saved_as_its_factors_and_a_plain_reader_adds_them(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    from llama_index_crag.calibration.packaging import pack_grader
     from llama_index_crag.cli import main
 
     out = tmp_path / "grader"
@@ -237,14 +242,47 @@ def test_a_lora_adapter_is_saved_merged_so_that_a_plain_reader_loads_it(tmp_path
     assert main([*args, "--max-length", "48", "--max-steps", "2", "--lora-rank", "4", "--no-progress"]) == 0
     info = json.loads((out / GRADER_FILE).read_text())
     assert info["config"]["learning_rate"] == 5e-4, "an adapter learns at LoRA's usual rate unless --lr says"
-    names = set(info["trained_parameters"])
-    # Every layer is adapted (the lowest too), under the names of a plain reader; no adapter weights are saved.
-    assert "encoder.encoder.layer.0.attention.self.query.weight" in names and "head.weight" in names
-    assert not any("lora_" in n or "base_layer" in n for n in names)
-    reader, encoder, _ = load_reader(out, quantize=False)
+    saved = load_file(str(out / "reader.safetensors"))
+    # Every layer is adapted (the lowest too); what is saved is the factors of rank 4 and the head, not the weights.
+    assert set(saved) == set(info["trained_parameters"]) and "head.weight" in saved
+    assert saved["encoder.encoder.layer.0.attention.self.query.lora_A.weight"].shape == (4, 384)
+    assert saved["encoder.encoder.layer.5.output.dense.lora_B.weight"].shape == (384, 4)
+    assert not any(n.endswith("query.weight") or "base_layer" in n for n in saved)
+    assert (out / "reader.safetensors").stat().st_size < 1_000_000  # the six merged layers: 42 MB
+
+    # A plain reader adds them to its weights exactly as peft merges them.
+    reader, _, _ = load_reader(out, quantize=False)
+    peft_model = get_peft_model(
+        ReaderModel(reader.base).encoder, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)
+    )
+    for name, weight in saved.items():
+        if "lora_" in name:
+            module = name.removeprefix("encoder.").replace(".lora_A.weight", "").replace(".lora_B.weight", "")
+            factor = "lora_A" if ".lora_A." in name else "lora_B"
+            getattr(peft_model.base_model.model.get_submodule(module), factor)["default"].weight.data.copy_(weight)
+    merged = peft_model.merge_and_unload().state_dict()
     lowest = "encoder.layer.0.attention.self.query.weight"
-    trained, untrained = reader.encoder.state_dict()[lowest], ReaderModel(reader.base).encoder.state_dict()[lowest]
-    assert not torch.equal(trained, untrained), "the merged adapter's weights are what a plain reader loads"
+    assert not torch.equal(reader.encoder.state_dict()[lowest], ReaderModel(reader.base).encoder.state_dict()[lowest])
+    for name, weight in reader.encoder.state_dict().items():
+        assert torch.allclose(weight, merged[name], atol=1e-6), name
+
+    # Packed, the adapter stays an adapter (float16) and reads as the trained one.
+    packed = pack_grader(out, tmp_path / "packed")
+    assert set(packed["trained_parameters"]) == set(saved)
+    question = "Who chairs the cooperative?"
+    shipped = ReaderScorer(tmp_path / "packed", quantize=False)
+    trained = ReaderScorer(out, quantize=False)
+    assert np.allclose(trained.read(question, COOPERATIVE), shipped.read(question, COOPERATIVE), atol=0.02)
+
+    # An adapter that does not fit the reader is refused with what is wrong, not applied.
+    saved["encoder.encoder.layer.0.attention.self.query.lora_B.weight"] = torch.zeros(100, 4)
+    save_file(saved, str(out / "reader.safetensors"))
+    with pytest.raises(GraderLoadError, match="layer.0.attention.self.query of shape"):
+        load_reader(out)
+    del saved["encoder.encoder.layer.0.attention.self.query.lora_B.weight"]
+    save_file(saved, str(out / "reader.safetensors"))
+    with pytest.raises(GraderLoadError, match="adapter for encoder.encoder.layer.0.attention.self.query"):
+        load_reader(out)
 
 
 @pytest.mark.slow

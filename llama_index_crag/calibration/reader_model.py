@@ -10,7 +10,7 @@ import copy
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -23,7 +23,11 @@ WEIGHTS_FILE = "reader.safetensors"
 POOLINGS = ("mean", "cls")
 #: The encoder's linear layers that a LoRA adapter trains (every layer's attention and feed-forward, not the pooler).
 LORA_TARGETS = r".*layer\.\d+\..*(query|key|value|dense)"
-_LORA_WEIGHT = re.compile(LORA_TARGETS + r"\.weight")
+#: LoRA's scale is alpha / rank; alpha is twice the rank, so the adapter's update is scaled by 2.
+LORA_ALPHA_PER_RANK = 2
+#: How a saved adapter's factors are named: the adapted linear layer's name in a plain reader, then the factor.
+_SAVED_FACTOR = re.compile(r"(?P<module>.+)\.lora_(?P<factor>[AB])\.weight")
+_PEFT_FACTOR = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<factor>[AB])\.default\.weight")
 
 
 def file_sha256(path: Path) -> str:
@@ -33,6 +37,18 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def save_weights(
+    state: Dict[str, Any], path: Path, half: bool = False, metadata: Optional[Dict[str, str]] = None
+) -> None:
+    """Write tensors to a safetensors file (``half``: as float16), with the file's string ``metadata``."""
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = torch.float16 if half else torch.float32
+    tensors = {n: w.detach().cpu().to(dtype).contiguous() for n, w in state.items()}
+    save_file(tensors, str(path), metadata=metadata)
 
 
 def base_fingerprint(base: Path) -> str:
@@ -68,13 +84,15 @@ class Reader:
         self.tokenizer = AutoTokenizer.from_pretrained(str(base))
         self.encoder = AutoModel.from_pretrained(str(base))
         self.lora_rank = lora_rank
-        if lora_rank:  # training only: what is saved is the merged weights, which a plain reader loads
+        if lora_rank:  # training only: what is saved is the adapter's factors, which a plain reader adds on load
             try:
                 from peft import LoraConfig, get_peft_model
             except ImportError as exc:
                 raise ConfigError("a LoRA adapter needs peft: pip install 'llama-index-crag[train]'") from exc
 
-            adapter = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.1, target_modules=LORA_TARGETS)
+            adapter = LoraConfig(
+                r=lora_rank, lora_alpha=LORA_ALPHA_PER_RANK * lora_rank, lora_dropout=0.1, target_modules=LORA_TARGETS
+            )
             self.encoder = get_peft_model(self.encoder, adapter)
         self.head = torch.nn.Linear(self.encoder.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.bias)
@@ -106,7 +124,7 @@ class Reader:
         if self.lora_rank:
             for name, param in self.model.named_parameters():
                 param.requires_grad = name.startswith("head.") or "lora_" in name
-            return sorted(self._merged_state())
+            return sorted(self._adapter_state())
         total = self.encoder.config.num_hidden_layers
         names = []
         for name, param in self.model.named_parameters():
@@ -148,32 +166,66 @@ class Reader:
         return torch.ao.quantization.quantize_dynamic(copy.deepcopy(self.encoder), {torch.nn.Linear}, dtype=torch.qint8)
 
     def save(self, out: Path, names: Sequence[str], half: bool = False) -> None:
-        """Write the trained weights (``half``: as float16, half the size, for shipping; loading casts back)."""
-        import torch
-        from safetensors.torch import save_file
+        """Write the trained weights (``half``: as float16, half the size, for shipping; loading casts back).
 
-        state = self._merged_state() if self.lora_rank else self.model.state_dict()
-        dtype = torch.float16 if half else torch.float32
-        save_file({n: state[n].detach().cpu().to(dtype).contiguous() for n in names}, str(out / WEIGHTS_FILE))
+        With a LoRA adapter, what is written is the adapter's factors and the head (under a plain reader's
+        names, with its scale in the file's metadata), well under a megabyte; ``load`` adds them to the base."""
+        state = self._adapter_state() if self.lora_rank else self.model.state_dict()
+        scale = {"lora_scale": str(float(LORA_ALPHA_PER_RANK))} if self.lora_rank else None
+        save_weights({n: state[n] for n in names}, out / WEIGHTS_FILE, half=half, metadata=scale)
 
-    def _merged_state(self) -> Dict[str, Any]:
-        """With a LoRA adapter: the adapted weights merged into the base's, by their names in a plain reader."""
-        merged = copy.deepcopy(self.encoder).merge_and_unload()
-        state = {f"encoder.{n}": w for n, w in merged.state_dict().items() if _LORA_WEIGHT.fullmatch(n)}
+    def _adapter_state(self) -> Dict[str, Any]:
+        """With a LoRA adapter: its factors, named after the linear layer they adapt in a plain reader, and the head."""
+        state = {}
+        for name, weight in self.encoder.state_dict().items():
+            found = _PEFT_FACTOR.fullmatch(name)
+            if found:
+                state[f"encoder.{found['module']}.lora_{found['factor']}.weight"] = weight
         state.update({f"head.{n}": w for n, w in self.head.state_dict().items()})
         return state
 
     def load(self, path: Path) -> None:
-        """Load trained weights over the base model's; float16 weights are cast to the model's float32."""
-        from safetensors.torch import load_file
+        """Load trained weights over the base model's; float16 weights are cast to the model's float32.
+
+        An adapter's factors are added to the linear layers they adapt (``W + scale * B @ A``), so that the
+        reader runs as fast as one trained in full; a factor that fits no layer is refused."""
+        from safetensors import safe_open
 
         try:
-            weights = load_file(str(path), device=str(self.device))
+            with safe_open(str(path), framework="pt", device=str(self.device)) as handle:
+                weights = {name: handle.get_tensor(name) for name in handle.keys()}
+                metadata = handle.metadata() or {}
         except Exception as exc:  # safetensors raises its own error types for a damaged header or body
             raise GraderLoadError(
                 f"{path} cannot be read as safetensors weights ({exc}): retrain or reinstall it"
             ) from exc
-        unknown = set(weights) - set(self.model.state_dict())
+        factors = {name: weights.pop(name) for name in list(weights) if _SAVED_FACTOR.fullmatch(name)}
+        own = self.model.state_dict()
+        unknown = set(weights) - set(own)
         if unknown:
             raise GraderLoadError(f"{path} holds weights this reader does not have: {sorted(unknown)[:3]}")
+        for name, weight in weights.items():
+            if weight.shape != own[name].shape:
+                raise GraderLoadError(
+                    f"{path} holds {name} of shape {tuple(weight.shape)}, not this reader's {tuple(own[name].shape)}"
+                )
         self.model.load_state_dict(weights, strict=False)
+        if factors:
+            self._add_adapter(path, factors, float(metadata.get("lora_scale", LORA_ALPHA_PER_RANK)), own)
+
+    def _add_adapter(self, path: Path, factors: Dict[str, Any], scale: float, own: Dict[str, Any]) -> None:
+        import torch
+
+        modules = {_SAVED_FACTOR.fullmatch(name)["module"] for name in factors}  # type: ignore[index]
+        with torch.no_grad():
+            for module in sorted(modules):
+                down, up = factors.get(f"{module}.lora_A.weight"), factors.get(f"{module}.lora_B.weight")
+                target = own.get(f"{module}.weight")
+                if down is None or up is None or target is None:
+                    raise GraderLoadError(f"{path} holds an adapter for {module}, which this reader cannot apply")
+                if up.shape[1] != down.shape[0] or (up.shape[0], down.shape[1]) != tuple(target.shape):
+                    raise GraderLoadError(
+                        f"{path} holds an adapter for {module} of shape {tuple(up.shape)} x {tuple(down.shape)}, "
+                        f"which does not fit its weight of shape {tuple(target.shape)}"
+                    )
+                target.add_(up.float() @ down.float(), alpha=scale)

@@ -79,7 +79,7 @@ def add_parsers(commands: Any) -> None:
         type=int,
         default=0,
         help="train a LoRA adapter of this rank on every layer instead of the top --train-layers (needs peft: "
-        "pip install 'llama-index-crag[train]'); what is saved is the merged weights",
+        "pip install 'llama-index-crag[train]'); what is saved is the adapter and head, under a megabyte",
     )
     train.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     train.add_argument("--seed", type=int, default=0, help="seed for pairs, order and initialisation")
