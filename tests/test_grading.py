@@ -316,6 +316,32 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
         )
 
 
+def test_each_scorer_is_set_against_the_default_with_a_paired_bootstrap_interval() -> None:
+    from llama_index_crag.calibration.report_figures import against_default, table
+
+    rng = np.random.default_rng(1)
+    kinds = ["in-corpus"] * 60 + ["out-of-corpus"] * 60
+    answering = np.asarray([k == "in-corpus" for k in kinds], dtype=float)
+    noisy = answering * 0.2 + rng.random(120)  # tells the kinds apart, with many errors
+
+    def result(scores: Any, default: bool = False) -> dict:
+        batches = [{"qid": f"q{i % 60}", "kind": k, "score": float(s)} for i, (k, s) in enumerate(zip(kinds, scores))]
+        return {"scorer": "s", "default": default, "batches": batches, "rows": {"out-of-corpus": {}}}
+
+    default, same, better = result(noisy, default=True), result(noisy), result(answering + 0.1 * rng.random(120))
+    against_default([default, same, better])
+    assert "against_default" not in default["rows"]["out-of-corpus"]
+    unchanged = same["rows"]["out-of-corpus"]["against_default"]
+    assert unchanged["difference"] == 0.0 and unchanged["interval"] == [0.0, 0.0] and unchanged["questions"] == 60
+    gained = better["rows"]["out-of-corpus"]["against_default"]
+    low, high = gained["interval"]
+    assert 0.0 < low < gained["difference"] < high <= 1.0, "a scorer that separates the kinds is told apart"
+    for values in (default, same, better):
+        values.update(three_band_accuracy=0.5, accuracy_ceiling={"accuracy": 0.5}, pairs_per_second=1.0)
+        values["rows"]["out-of-corpus"].update(auroc=0.5, accuracy=0.5, batches=120)
+    assert f"| +{gained['difference']:.3f} [+{low:.3f}, +{high:.3f}] |" in table([default, same, better])
+
+
 def test_the_accuracy_ceiling_is_the_best_single_threshold() -> None:
     from llama_index_crag.calibration.report_figures import accuracy_ceiling
 

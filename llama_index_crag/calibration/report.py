@@ -20,7 +20,7 @@ from llama_index_crag.calibration.fit import (
     strip_counts,
     write_calibration,
 )
-from llama_index_crag.calibration.report_figures import KINDS, Outcome, figures, plot, table
+from llama_index_crag.calibration.report_figures import KINDS, Outcome, against_default, figures, plot, table
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.evidence import EvidenceScorer
@@ -244,6 +244,7 @@ def run_report(
         result["default"] = name == "default"
         outcomes.append(outcome)
         results.append(result)
+    against_default(results)
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "dataset": str(dataset),

@@ -68,6 +68,55 @@ def figures(outcome: Outcome) -> Dict[str, Any]:
     }
 
 
+#: Resamples of the paired bootstrap that sets each scorer's AUROC against the default's.
+BOOTSTRAP_RESAMPLES = 1000
+
+
+def against_default(results: Sequence[Dict[str, Any]], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> None:
+    """Add to each result but the default's, per row, its AUROC minus the default's and a 95% interval.
+
+    The interval is a paired bootstrap by question: the same questions are drawn for both
+    scorers, so what varies is which questions the two are measured on, not the scorers'
+    luck on different draws. An interval that holds 0 means the two are not told apart on
+    this set. Only questions both scorers graded count (the LLM judge grades a sample).
+    """
+    default = next((r for r in results if r.get("default")), None)
+    if default is None:
+        return
+    rng = np.random.default_rng(seed)
+    base = {(b["qid"], b["kind"]): b["score"] for b in default["batches"]}
+    for result in results:
+        if result is default:
+            continue
+        other = {(b["qid"], b["kind"]): b["score"] for b in result["batches"]}
+        for row, values in result["rows"].items():
+            keys = sorted(k for k in set(base) & set(other) if k[1] in (IN_CORPUS, row))
+            values["against_default"] = _paired_difference(keys, base, other, rng, resamples)
+
+
+def _paired_difference(
+    keys: Sequence[Any], base: Mapping[Any, float], other: Mapping[Any, float], rng: Any, resamples: int
+) -> Optional[Dict[str, Any]]:
+    from sklearn.metrics import roc_auc_score
+
+    labels = np.asarray([k[1] == IN_CORPUS for k in keys], dtype=int)
+    if len(set(labels.tolist())) < 2:
+        return None
+    first, second = np.asarray([base[k] for k in keys]), np.asarray([other[k] for k in keys])
+    questions = sorted({k[0] for k in keys})
+    rows_of: Dict[str, List[int]] = {q: [] for q in questions}
+    for i, key in enumerate(keys):
+        rows_of[key[0]].append(i)
+    differences = []
+    for _ in range(resamples):
+        rows = np.concatenate([rows_of[q] for q in rng.choice(questions, len(questions))])
+        if labels[rows].min() != labels[rows].max():
+            differences.append(roc_auc_score(labels[rows], second[rows]) - roc_auc_score(labels[rows], first[rows]))
+    low, high = np.percentile(differences, [2.5, 97.5])
+    difference = roc_auc_score(labels, second) - roc_auc_score(labels, first)
+    return {"difference": float(difference), "interval": [float(low), float(high)], "questions": len(questions)}
+
+
 def accuracy_ceiling(scores: np.ndarray, answerable: np.ndarray) -> Dict[str, Optional[float]]:
     """The best three-band accuracy any single ``lower`` threshold reaches on these scores, and that threshold.
 
@@ -94,18 +143,27 @@ def accuracy_ceiling(scores: np.ndarray, answerable: np.ndarray) -> Dict[str, Op
 def table(results: Sequence[Mapping[str, Any]]) -> str:
     """The report as a Markdown table: one row per scorer and comparison."""
     lines = [
-        "| scorer | row | AUROC | accuracy | batches | three-band accuracy | ceiling | pairs/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| scorer | row | AUROC | against the default (95%) | accuracy | batches | three-band accuracy | ceiling "
+        "| pairs/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         for row, values in result["rows"].items():
             auroc = "-" if values["auroc"] is None else f"{values['auroc']:.3f}"
             scorer = f"{result['scorer']} (default)" if result.get("default") else result["scorer"]
             lines.append(
-                f"| {scorer} | {row} | {auroc} | {values['accuracy']:.3f} | {values['batches']} "
+                f"| {scorer} | {row} | {auroc} | {_against(values)} | {values['accuracy']:.3f} | {values['batches']} "
                 f"| {result['three_band_accuracy']:.3f} | {_ceiling(result)} | {result['pairs_per_second']:.0f} |"
             )
     return "\n".join(lines)
+
+
+def _against(values: Mapping[str, Any]) -> str:
+    found = values.get("against_default")
+    if not found:
+        return "-"
+    low, high = found["interval"]
+    return f"{found['difference']:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
 def _ceiling(result: Mapping[str, Any]) -> str:
