@@ -74,10 +74,12 @@ READING = [
 def test_the_packaged_grader_prefers_the_passage_that_answers(
     packaged: ReaderScorer, question: str, answers: str, on_topic: str
 ) -> None:
-    # The grade a user gets is the stacked one (reader logit, answer type, evidence); the logit alone
-    # misses the Kestrel length (docs/grading.md, "The packaged reader").
+    # The grade a user gets is the stacked one (reader logit, answer type, evidence); the reader's logit alone
+    # reads each case too (the top-three-layer reader before it missed the Kestrel length).
     answer, noise = packaged.score_texts(question, [answers, on_topic])
     assert answer > noise
+    read_answer, read_noise = packaged.read(question, [answers, on_topic])
+    assert read_answer > read_noise
 
 
 def _damaged(tmp_path: Path) -> Path:

@@ -112,6 +112,8 @@ def _paired_difference(
         rows = np.concatenate([rows_of[q] for q in rng.choice(questions, len(questions))])
         if labels[rows].min() != labels[rows].max():
             differences.append(roc_auc_score(labels[rows], second[rows]) - roc_auc_score(labels[rows], first[rows]))
+    if not differences:  # every draw held one kind only: too few questions to tell
+        return None
     low, high = np.percentile(differences, [2.5, 97.5])
     difference = roc_auc_score(labels, second) - roc_auc_score(labels, first)
     return {"difference": float(difference), "interval": [float(low), float(high)], "questions": len(questions)}
