@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from llama_index_crag.calibration.reader_model import GRADER_FILE, WEIGHTS_FILE, file_sha256, save_weights
+from llama_index_crag.calibration.reader_model import GRADER_FILE, WEIGHTS_FILE, file_sha256, read_weights, save_weights
 from llama_index_crag.core.settings_sources import read_calibration
 from llama_index_crag.errors import ConfigError
 
@@ -29,16 +29,13 @@ def pack_grader(
     notice: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Write ``grader`` (a ``train-grader`` directory) to ``out`` as a shippable grader; returns its description."""
-    from safetensors import safe_open
-
     from llama_index_crag.scorers.reader import load_reader
 
     grader, out = Path(grader), Path(out)
     _, _, info = load_reader(grader, quantize=False)  # refuses a grader that would not load
     out.mkdir(parents=True, exist_ok=True)
-    with safe_open(str(grader / WEIGHTS_FILE), framework="pt") as handle:  # full weights, or an adapter and head
-        weights = {name: handle.get_tensor(name) for name in handle.keys()}
-        save_weights(weights, out / WEIGHTS_FILE, half=True, metadata=handle.metadata())
+    weights, metadata = read_weights(grader / WEIGHTS_FILE)  # full weights, or an adapter and head
+    save_weights(weights, out / WEIGHTS_FILE, half=True, metadata=metadata or None)
     packed = {k: v for k, v in info.items() if k not in ("history",)}
     packed["history"] = info.get("history", [])[-5:]
     packed["weights_dtype"] = "float16"

@@ -10,7 +10,7 @@ import copy
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -49,6 +49,17 @@ def save_weights(
     dtype = torch.float16 if half else torch.float32
     tensors = {n: w.detach().cpu().to(dtype).contiguous() for n, w in state.items()}
     save_file(tensors, str(path), metadata=metadata)
+
+
+def read_weights(path: Path, device: str = "cpu") -> Tuple[Dict[str, Any], Dict[str, str]]:
+    """A safetensors file's tensors and string metadata; a ``GraderLoadError`` for a file that cannot be read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as handle:
+            return {name: handle.get_tensor(name) for name in handle.keys()}, handle.metadata() or {}
+    except Exception as exc:  # safetensors raises its own error types for a damaged header or body
+        raise GraderLoadError(f"{path} cannot be read as safetensors weights ({exc}): retrain or reinstall it") from exc
 
 
 def base_fingerprint(base: Path) -> str:
@@ -189,16 +200,7 @@ class Reader:
 
         An adapter's factors are added to the linear layers they adapt (``W + scale * B @ A``), so that the
         reader runs as fast as one trained in full; a factor that fits no layer is refused."""
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="pt", device=str(self.device)) as handle:
-                weights = {name: handle.get_tensor(name) for name in handle.keys()}
-                metadata = handle.metadata() or {}
-        except Exception as exc:  # safetensors raises its own error types for a damaged header or body
-            raise GraderLoadError(
-                f"{path} cannot be read as safetensors weights ({exc}): retrain or reinstall it"
-            ) from exc
+        weights, metadata = read_weights(path, self.device)
         factors = {name: weights.pop(name) for name in list(weights) if _SAVED_FACTOR.fullmatch(name)}
         own = self.model.state_dict()
         unknown = set(weights) - set(own)
