@@ -201,7 +201,11 @@ class Reader:
         An adapter's factors are added to the linear layers they adapt (``W + scale * B @ A``), so that the
         reader runs as fast as one trained in full; a factor that fits no layer is refused."""
         weights, metadata = read_weights(path, self.device)
-        factors = {name: weights.pop(name) for name in list(weights) if _SAVED_FACTOR.fullmatch(name)}
+        factors: Dict[str, Dict[str, Any]] = {}  # module -> {"A": down, "B": up}
+        for name in list(weights):
+            found = _SAVED_FACTOR.fullmatch(name)
+            if found:
+                factors.setdefault(found["module"], {})[found["factor"]] = weights.pop(name)
         own = self.model.state_dict()
         unknown = set(weights) - set(own)
         if unknown:
@@ -215,13 +219,12 @@ class Reader:
         if factors:
             self._add_adapter(path, factors, float(metadata.get("lora_scale", LORA_ALPHA_PER_RANK)), own)
 
-    def _add_adapter(self, path: Path, factors: Dict[str, Any], scale: float, own: Dict[str, Any]) -> None:
+    def _add_adapter(self, path: Path, factors: Dict[str, Dict[str, Any]], scale: float, own: Dict[str, Any]) -> None:
         import torch
 
-        modules = {_SAVED_FACTOR.fullmatch(name)["module"] for name in factors}  # type: ignore[index]
         with torch.no_grad():
-            for module in sorted(modules):
-                down, up = factors.get(f"{module}.lora_A.weight"), factors.get(f"{module}.lora_B.weight")
+            for module in sorted(factors):
+                down, up = factors[module].get("A"), factors[module].get("B")
                 target = own.get(f"{module}.weight")
                 if down is None or up is None or target is None:
                     raise GraderLoadError(f"{path} holds an adapter for {module}, which this reader cannot apply")
