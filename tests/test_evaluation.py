@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 from llama_index.core.embeddings import MockEmbedding
-from llama_index.core.llms import LLM
+from llama_index.core.llms import LLM, MockLLM
 from llama_index.core.response_synthesizers import get_response_synthesizer
 from llama_index.core.schema import QueryBundle
 
@@ -291,7 +291,11 @@ def test_eval_with_the_bundled_generator_measures_answer_accuracy(dataset: Path,
     results = run_evaluation(config, BundledLlamaCPP())
     for system, f in results["figures"].items():
         assert 0.0 <= f["accuracy"] <= 1.0, system
-        assert f["latency_ms"]["generate"]["p50"] > 0, system
+        if system != "crag":
+            assert f["latency_ms"]["generate"]["p50"] > 0, system
+    # With the bundled model, CRAG quotes (the engine's offline default) and never asks it for an answer.
+    assert results["meta"]["answer_step"]["answer_mode"] == "extract"
+    assert "generate" not in results["figures"]["crag"]["latency_ms"]
     assert 4 <= results["figures"]["llm-judge"]["judge_calls"] <= 5, "one call per chunk, one fewer if gold is hidden"
 
 
@@ -393,6 +397,23 @@ def test_eval_with_extract_never_asks_the_generator_for_crag_and_unchecked_keeps
     rows = run_evaluation(unchecked, InventingLLM(), count_tokens=words)["rows"]
     answered = [r for r in rows if not r["abstained"]]
     assert answered and all("7,700,000" in r["answer"] and r["check_outcome"] is None for r in answered)
+
+
+def test_eval_answers_as_the_engine_would_for_its_generator_and_checks_no_skipped_answer(
+    dataset: Path, tmp_path: Path
+) -> None:
+    # Unset, the answer mode is the engine's for the generator given, not for the meter in front of it.
+    results = run_evaluation(crag_only(dataset, tmp_path / "d"), MockLLM(), count_tokens=words)
+    assert results["meta"]["answer_step"]["answer_mode"] == "extract"
+    assert {r["answered_by"] for r in results["rows"] if not r["abstained"]} == {"extract"}
+    assert "--answer-mode" not in results["meta"]["command"]
+    # With generation skipped, the fixed text is answered unchecked, so the run measures the grading alone.
+    skipped = crag_only(dataset, tmp_path / "s", answer_mode="generate", generate=False)
+    results = run_evaluation(skipped, InventingLLM(), count_tokens=words)
+    answered = [r for r in results["rows"] if not r["abstained"]]
+    assert answered and all(r["answer"] == SKIPPED_ANSWER and r["check_outcome"] is None for r in answered)
+    assert results["meta"]["answer_step"]["check_answers"] is False
+    assert "with generation skipped they are not checked" in (tmp_path / "s" / "report.md").read_text()
 
 
 def test_a_policy_applied_to_a_flag_run_changes_only_the_flagged_answers() -> None:

@@ -16,6 +16,7 @@ from llama_index.core.response_synthesizers import ResponseMode, get_response_sy
 from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
+from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.core.settings import ANSWER_MODES, ON_UNGROUNDED
 from llama_index_crag.datasets import content_hash
@@ -64,6 +65,8 @@ class EvalConfig:
     fresh: bool = False
     progress: bool = True
     llm_name: str = field(default="", compare=False)
+    #: The engine's answer mode for this run's generator when ``answer_mode`` is unset (set by ``run_evaluation``).
+    generator_answer_mode: Optional[str] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -77,8 +80,11 @@ class EvalConfig:
 
     def crag_settings(self) -> Dict[str, Any]:
         """The answer-step settings CRAG is built with (only those given; the rest stay the engine's defaults)."""
-        chosen: Dict[str, Any] = {"answer_mode": self.answer_mode, "on_ungrounded": self.on_ungrounded}
-        if not self.check_answers:
+        mode = self.answer_mode or self.generator_answer_mode
+        chosen: Dict[str, Any] = {"answer_mode": mode, "on_ungrounded": self.on_ungrounded}
+        # With generation skipped, a generated answer is a fixed text: checking it would measure the check on
+        # that text (it fails, so every answer became quotes), not the grading that --no-generate measures.
+        if not self.check_answers or (mode == "generate" and not self.generate):
             chosen["check_answers"] = False
         return {k: v for k, v in chosen.items() if v is not None}
 
@@ -141,6 +147,8 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
         The results written to ``results.json``.
     """
     config.llm_name = config.llm_name or describe_llm(llm)
+    # The engine would choose by the generator it is given, and here that is the meter in front of it.
+    config.generator_answer_mode = default_answer_mode(llm)
     out = Path(config.out)
     questions = load_eval_questions(config.dataset)[: config.limit]
     done = _resume(out, config.fingerprint(), config.fresh)

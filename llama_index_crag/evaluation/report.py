@@ -73,7 +73,7 @@ def markdown(results: Dict[str, Any]) -> str:
         + (f", thresholds upper={thresholds['upper']}, lower={thresholds['lower']}." if thresholds else "."),
         f"- Index: bundled all-MiniLM-L6-v2, `VectorStoreIndex`, top-{config['top_k']}. Fallback: BM25 and "
         "sentence windows over the same chunks.",
-        *_answer_note(meta.get("answer_step") or {}),
+        *_answer_note(meta.get("answer_step") or {}, config["generate"]),
         *_system_notes(meta, config, systems),
         f"- Set-up {meta['setup_s']} s; systems: " + ", ".join(f"{s} {t} s" for s, t in meta["wall_s"].items()) + ".",
         "",
@@ -110,10 +110,12 @@ def markdown(results: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _answer_note(step: Dict[str, Any]) -> List[str]:
+def _answer_note(step: Dict[str, Any], generated: bool = True) -> List[str]:
     """How CRAG answered: quoting the evidence, or generating (checked or not, and what a failed check did)."""
     if not step:
         return []
+    if step["answer_mode"] == "generate" and not generated:
+        return ["- CRAG generates its answers (`answer_mode=generate`); with generation skipped they are not checked."]
     if step["answer_mode"] == "extract":
         return [
             "- CRAG answers with the quoted evidence (`answer_mode=extract`): an answer is correct when a quote "
