@@ -18,6 +18,8 @@ BRIDGE_LENGTH = "The Kestrel Bridge in Farrow spans 312 metres across the Lune e
         ("How long did the June 2023 EU-2 outage last?", {"duration"}),
         ("In what year did the bridge open?", {"year"}),
         ("When did the office open?", {"date"}),
+        ("The office stayed open until when?", {"date"}),
+        ("Who can enforce the law when member states provide lesser rights?", {"person"}),
         ("Who chairs the cooperative?", {"person"}),
         ("Where is the head office?", {"place"}),
         ("How many families founded it?", {"count"}),
@@ -27,6 +29,10 @@ BRIDGE_LENGTH = "The Kestrel Bridge in Farrow spans 312 metres across the Lune e
 )
 def test_the_question_says_what_kind_of_answer_it_asks_for(question: str, kinds: set) -> None:
     assert asked_kinds(question) == frozenset(kinds)
+
+
+def test_a_when_that_opens_a_clause_asks_for_no_date() -> None:
+    assert asked_kinds("What is the resultant force called when two forces act on a particle?") is None
 
 
 def test_a_length_asked_and_only_a_date_present_is_not_an_answer() -> None:

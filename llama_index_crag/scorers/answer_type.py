@@ -59,6 +59,14 @@ _ORGANISATION = re.compile(
     re.IGNORECASE,
 )
 
+#: "when" as the question's own word: first, before an auxiliary ("... and when did it open"), after "since" or
+#: "until", or last. A "when" that opens a clause ("Who can enforce it when member states provide less?", "What
+#: is the force called when two forces act?") asks for no date.
+_ASKING_WHEN = (
+    r"^\W*when\b|\bwhen\s+(?:did|does|do|was|were|is|are|will|would|can|could|has|have|had|should|must|might)\b"
+    r"|\b(?:since|until|till) when\b|\bwhen\W*$"
+)
+
 #: (question pattern, the kinds of answer that satisfy it), the first match wins.
 _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), frozenset(kinds.split()))
@@ -74,7 +82,7 @@ _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
             "length duration",
         ),
         (r"\b(what|which|in what) (year|decade|century)\b|\bwhat year\b", "year"),
-        (r"\bwhen\b|\bwhat (date|day|month|time)\b|\bwhich (date|day|month)\b", "date"),
+        (rf"{_ASKING_WHEN}|\bwhat (date|day|month|time)\b|\bwhich (date|day|month)\b", "date"),
         (r"\bwhat (percentage|percent|share|proportion)\b|\bhow many percent\b", "percent"),
         (
             r"\bhow much\b.*\b(cost|costs|pay|paid|spend|spent|worth|price|earn|earned|raise|raised|sell|sold|charge)\b"
