@@ -414,6 +414,12 @@ def test_eval_answers_as_the_engine_would_for_its_generator_and_checks_no_skippe
     assert answered and all(r["answer"] == SKIPPED_ANSWER and r["check_outcome"] is None for r in answered)
     assert results["meta"]["answer_step"]["check_answers"] is False
     assert "with generation skipped they are not checked" in (tmp_path / "s" / "report.md").read_text()
+    assert all(r["correct"] is None for r in answered), "a skipped generation's answer cannot be scored"
+    # Quotes need no generator: skipping generation still scores every quoted answer and abstention.
+    quoted = crag_only(dataset, tmp_path / "q", answer_mode="extract", generate=False)
+    results = run_evaluation(quoted, InventingLLM(), count_tokens=words)
+    assert all(r["correct"] is not None for r in results["rows"])
+    assert results["figures"]["crag"]["accuracy"] is not None
 
 
 def test_a_policy_applied_to_a_flag_run_changes_only_the_flagged_answers() -> None:

@@ -59,7 +59,10 @@ def make_row(
         "answered_by": trace.get("answered_by"),
         "grounded": trace.get("grounded"),
         "check_outcome": (trace.get("answer_check") or {}).get("outcome"),
-        "correct": _correct(kind, question, abstained, answer) if generated else None,
+        # A quoted answer needs no generator, so it is scored with generation skipped too.
+        "correct": _correct(kind, question, abstained, answer)
+        if generated or trace.get("answer_mode") == "extract"
+        else None,
         "timings_ms": {**trace["timings_ms"], "total": round(total_ms, 3)},
     }
 

@@ -67,7 +67,8 @@ def markdown(results: Dict[str, Any]) -> str:
             ""
             if config["generate"]
             else " Generation skipped (`--no-generate`): each prompt is built, packed and counted, then answered "
-            "with a fixed text, so answer accuracy is not measured and `generate` time is prompt building only."
+            "with a fixed text, so the accuracy of generated answers is not measured (quoted answers need no "
+            "generator and are scored) and `generate` time is prompt building only."
         ),
         f"- CRAG scorer: {meta['scorer']}"
         + (f", thresholds upper={thresholds['upper']}, lower={thresholds['lower']}." if thresholds else "."),
