@@ -16,7 +16,10 @@ from llama_index_crag.evaluation.dataset import EvalQuestion, contains_any
 ANSWERABLE, UNANSWERABLE, OUT_OF_CORPUS = "answerable", "unanswerable", "out_of_corpus"
 #: Stages whose time is the generator's (excluded from pipeline time).
 LLM_STAGES = ("generate", "rewrite")
-LATENCY_STAGES = ("retrieve", "rerank", "grade", "refine", "rewrite", "fallback", "regrade", "generate", "crag_ms")
+LATENCY_STAGES = (
+    *("retrieve", "rerank", "grade", "refine", "rewrite", "fallback", "regrade"),
+    *("extract", "generate", "check", "crag_ms"),
+)
 
 
 def make_row(
