@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 
-from llama_index_crag.core.refiner import StripRefiner, decompose, refers_back
+from llama_index_crag.answers.extract import EvidenceQuoter
+from llama_index_crag.core.refiner import STRIPS_KEY, StripRefiner, decompose, refers_back
 from llama_index_crag.scorers.base import RelevanceScorer
 
 PAGE = (
@@ -56,3 +57,21 @@ def test_the_refiner_grades_the_strip_with_its_subject_and_keeps_the_original_se
     assert [s.text for s in kept] == ["It spans 312 metres across the Lune estuary and carries the coast road."]
     assert refinement.nodes[0].node.get_content() == kept[0].text
     assert any(t.startswith("The Kestrel Bridge") and "312 metres" in t for t in scorer.seen)
+
+
+def test_the_quoter_reads_a_refined_strip_with_the_context_the_refiner_read_it_with() -> None:
+    # The refined passage holds only "It spans ...": split again, it would be read without the bridge it names.
+    scorer = SubjectScorer()
+    question = "How long is the Kestrel Bridge in Farrow?"
+    refined = StripRefiner(scorer, threshold=0.5).refine(
+        QueryBundle(question), [NodeWithScore(node=TextNode(text=PAGE))]
+    )
+    quotes = EvidenceQuoter(scorer, threshold=0.5).quote(question, refined.nodes).quotes
+    assert [(q.text, q.score) for q in quotes] == [
+        ("It spans 312 metres across the Lune estuary and carries the coast road.", 0.9)
+    ]
+    # What the refiner recorded for the quoter stays out of the generator's prompt and the embedding.
+    node = refined.nodes[0].node
+    assert STRIPS_KEY in node.metadata
+    assert STRIPS_KEY not in node.get_content(metadata_mode=MetadataMode.LLM)
+    assert STRIPS_KEY not in node.get_content(metadata_mode=MetadataMode.EMBED)

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Sequence
 
 from llama_index.core.schema import NodeWithScore
 
-from llama_index_crag.core.refiner import decompose
+from llama_index_crag.core.refiner import decompose, kept_strips
 from llama_index_crag.scorers.answer_type import asked_kinds, holds_kind
 from llama_index_crag.scorers.base import RelevanceScorer
 
@@ -111,7 +111,9 @@ class EvidenceQuoter:
         found: List[tuple[int, int, Any, NodeWithScore]] = []
         for rank, node in enumerate(nodes):
             title = str(node.node.metadata.get("title") or "")
-            for position, strip in enumerate(decompose(node.node.get_content(), self.strip_min_tokens, title)):
+            # A refined passage is quoted from the strips the refiner kept, read with the context it read them with.
+            strips = kept_strips(node) or decompose(node.node.get_content(), self.strip_min_tokens, title)
+            for position, strip in enumerate(strips):
                 if strip.text.strip():
                     found.append((rank, position, strip, node))
         if not found:

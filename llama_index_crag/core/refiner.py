@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
@@ -46,6 +47,25 @@ class Strip:
     def graded_text(self) -> str:
         """The text a scorer judges: the context, then the strip."""
         return f"{self.context} {self.text}" if self.context else self.text
+
+
+#: Metadata of a recomposed node: its kept strips as they were graded (text and context, as JSON), so that a later
+#: step (the quoter) reads them as the refiner did instead of splitting the recomposed text again, which would lose
+#: the sentence a pronoun-led strip was read with.
+STRIPS_KEY = "crag_strips"
+
+
+def kept_strips(node: NodeWithScore) -> Optional[List[Strip]]:
+    """The strips a recomposed node was made of, as the refiner graded them; None for any other node."""
+    recorded = node.node.metadata.get(STRIPS_KEY)
+    if not isinstance(recorded, str):
+        return None
+    try:
+        return [
+            Strip(str(s["text"]), bool(s.get("whole_block")), str(s.get("context") or "")) for s in json.loads(recorded)
+        ]
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def refers_back(text: str) -> bool:
@@ -207,12 +227,13 @@ def _recompose(source: NodeWithScore, chosen: List[tuple[Strip, float]]) -> Node
     if len(chosen) == 1 and chosen[0][0].text == original.get_content().strip():
         return NodeWithScore(node=original, score=chosen[0][1])
     text = "\n".join(strip.text for strip, _ in chosen)
+    graded = [{"text": s.text, "whole_block": s.whole_block, "context": s.context} for s, _ in chosen]
     node = TextNode(
         id_=f"{original.node_id}#strips",
         text=text,
-        metadata=dict(original.metadata),
-        excluded_embed_metadata_keys=list(original.excluded_embed_metadata_keys),
-        excluded_llm_metadata_keys=list(original.excluded_llm_metadata_keys),
+        metadata={**original.metadata, STRIPS_KEY: json.dumps(graded)},
+        excluded_embed_metadata_keys=[*original.excluded_embed_metadata_keys, STRIPS_KEY],
+        excluded_llm_metadata_keys=[*original.excluded_llm_metadata_keys, STRIPS_KEY],
         relationships={NodeRelationship.SOURCE: original.as_related_node_info()},
     )
     return NodeWithScore(node=node, score=max(score for _, score in chosen))
