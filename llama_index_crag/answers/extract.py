@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from llama_index.core.schema import NodeWithScore
 
-from llama_index_crag.core.refiner import decompose, kept_strips
+from llama_index_crag.core.refiner import Strip, decompose, kept_strips
 from llama_index_crag.scorers.answer_type import asked_kinds, holds_kind
 from llama_index_crag.scorers.base import RelevanceScorer
 
@@ -109,16 +109,28 @@ class EvidenceQuoter:
     def quote(self, question: str, nodes: Sequence[NodeWithScore]) -> QuotedAnswer:
         """The quoted answer to ``question`` from ``nodes`` (empty when they hold no text)."""
         found: List[tuple[int, int, Any, NodeWithScore]] = []
+        graded: Dict[int, float] = {}  # strips the refiner already scored, by their place in ``found``
         for rank, node in enumerate(nodes):
             title = str(node.node.metadata.get("title") or "")
-            # A refined passage is quoted from the strips the refiner kept, read with the context it read them with.
-            strips = kept_strips(node) or decompose(node.node.get_content(), self.strip_min_tokens, title)
-            for position, strip in enumerate(strips):
+            # A refined passage is quoted from the strips the refiner kept, with the context and score it gave them.
+            kept = kept_strips(node)
+            strips: List[Tuple[Strip, Optional[float]]] = (
+                list(kept)
+                if kept
+                else [(s, None) for s in decompose(node.node.get_content(), self.strip_min_tokens, title)]
+            )
+            for position, (strip, score) in enumerate(strips):
                 if strip.text.strip():
+                    if score is not None:
+                        graded[len(found)] = score
                     found.append((rank, position, strip, node))
         if not found:
             return QuotedAnswer([])
-        scores = self.scorer.score_texts(question, [strip.graded_text for _, _, strip, _ in found])
+        fresh = [i for i in range(len(found)) if i not in graded]
+        scored = self.scorer.score_texts(question, [found[i][2].graded_text for i in fresh]) if fresh else []
+        scores = [graded.get(i, 0.0) for i in range(len(found))]
+        for i, score in zip(fresh, scored):
+            scores[i] = float(score)
         ranked = sorted(range(len(found)), key=lambda i: -scores[i])
         seen: set[str] = set()
         eligible = []

@@ -6,7 +6,7 @@ import asyncio
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer
@@ -49,20 +49,22 @@ class Strip:
         return f"{self.context} {self.text}" if self.context else self.text
 
 
-#: Metadata of a recomposed node: its kept strips as they were graded (text and context, as JSON), so that a later
-#: step (the quoter) reads them as the refiner did instead of splitting the recomposed text again, which would lose
-#: the sentence a pronoun-led strip was read with.
+#: Metadata of a recomposed node: its kept strips as they were graded (text, context and score, as JSON), so that
+#: a later step (the quoter) takes them as the refiner graded them instead of splitting the recomposed text again,
+#: which would lose the sentence a pronoun-led strip was read with, and scoring them again in another batch, which
+#: changes a score whose features are relative to the batch (the evidence scorer's).
 STRIPS_KEY = "crag_strips"
 
 
-def kept_strips(node: NodeWithScore) -> Optional[List[Strip]]:
-    """The strips a recomposed node was made of, as the refiner graded them; None for any other node."""
+def kept_strips(node: NodeWithScore) -> Optional[List[Tuple[Strip, float]]]:
+    """The strips a recomposed node was made of, with the scores the refiner gave them; None for any other node."""
     recorded = node.node.metadata.get(STRIPS_KEY)
     if not isinstance(recorded, str):
         return None
     try:
         return [
-            Strip(str(s["text"]), bool(s.get("whole_block")), str(s.get("context") or "")) for s in json.loads(recorded)
+            (Strip(str(s["text"]), bool(s.get("whole_block")), str(s.get("context") or "")), float(s["score"]))
+            for s in json.loads(recorded)
         ]
     except (ValueError, TypeError, KeyError):
         return None
@@ -227,7 +229,10 @@ def _recompose(source: NodeWithScore, chosen: List[tuple[Strip, float]]) -> Node
     if len(chosen) == 1 and chosen[0][0].text == original.get_content().strip():
         return NodeWithScore(node=original, score=chosen[0][1])
     text = "\n".join(strip.text for strip, _ in chosen)
-    graded = [{"text": s.text, "whole_block": s.whole_block, "context": s.context} for s, _ in chosen]
+    graded = [
+        {"text": s.text, "whole_block": s.whole_block, "context": s.context, "score": round(float(score), 6)}
+        for s, score in chosen
+    ]
     node = TextNode(
         id_=f"{original.node_id}#strips",
         text=text,
