@@ -132,6 +132,15 @@ def test_eval_command_writes_the_report_the_json_and_the_plots(
     assert "## Targets" in (out / "report.md").read_text()
 
 
+def test_a_target_on_token_counts_shows_counts_even_when_quoting_needs_none() -> None:
+    from llama_index_crag.evaluation.metrics import _relative
+
+    cut = _relative("generator input tokens: relative cut", 900.5, 0.0, -0.37, None, lower=True, percent=False)
+    assert cut.measured == "-100% (900 -> 0)" and cut.met
+    share = _relative("context precision: relative gain", 0.18, 0.95, 0.52, (0.52, 0.79), lower=False)
+    assert share.measured == "+428% (18% -> 95%)"
+
+
 def test_the_same_command_again_reuses_the_saved_rows_and_asks_nothing(
     evaluated: Tuple[List[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

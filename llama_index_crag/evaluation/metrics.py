@@ -245,6 +245,7 @@ def targets(figures: Dict[str, Dict[str, Any]], rows: Sequence[Dict[str, Any]], 
             SEED_INPUT,
             None,
             lower=True,
+            percent=False,
         ),
     ]
     for stage, label in (("total", "end to end"), ("pipeline", "pipeline: less the generator's calls")):
@@ -307,17 +308,15 @@ def _relative(
     seed_change: float,
     seed_pair: Optional[tuple[float, float]],
     lower: bool,
+    percent: bool = True,
 ) -> Target:
     seed = f"{seed_change:+.0%}" + (f" ({seed_pair[0]:.0%} -> {seed_pair[1]:.0%})" if seed_pair else "")
     if base is None or ours is None or base == 0:
         return Target(name, seed, "n/a", None)
     change = _change(base, ours)
-    measured = f"{change:+.0%} ({_fmt(base)} -> {_fmt(ours)})"
+    shown = "{:.0%}" if percent else "{:,.0f}"  # a share, or a count (tokens)
+    measured = f"{change:+.0%} ({shown.format(base)} -> {shown.format(ours)})"
     return Target(name, seed, measured, change <= seed_change if lower else change >= seed_change)
-
-
-def _fmt(value: float) -> str:
-    return f"{value:.0%}" if value <= 1 else f"{value:.0f}"
 
 
 def _pct(value: Optional[float]) -> str:
