@@ -34,7 +34,30 @@ WEB_ENV = f"{ENV_PREFIX}WEB"
 CALIBRATION_ENV = f"{ENV_PREFIX}CALIBRATION"
 
 
-class CragSettings(BaseSettings):
+class OwnSources(BaseSettings):
+    """Settings read from this package's own sources only (see ``own_sources``): never a ``.env`` or secrets
+    file, and the environment through ``current_sources()`` so that a caller can pass its own."""
+
+    @classmethod
+    def own_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource
+    ) -> Tuple[PydanticBaseSettingsSource, ...]:
+        """The sources, highest first."""
+        raise NotImplementedError
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> Tuple[PydanticBaseSettingsSource, ...]:
+        return cls.own_sources(settings_cls, init_settings)
+
+
+class CragSettings(OwnSources):
     """Every knob of the corrective loop, with its default.
 
     Built from, highest first: constructor arguments, ``CRAG_<FIELD>`` variables, the
@@ -111,15 +134,10 @@ class CragSettings(BaseSettings):
         return self
 
     @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
+    def own_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource
     ) -> Tuple[PydanticBaseSettingsSource, ...]:
-        """Constructor, environment, calibration file, scorer defaults: no ``.env`` or secrets files."""
+        """Constructor, environment, calibration file, scorer defaults."""
         sources = current_sources()
         path = sources.calibration_path or sources.env.get(CALIBRATION_ENV)
         return (
@@ -162,7 +180,7 @@ class CragSettings(BaseSettings):
 WebProvider = Literal["searxng", "tavily", "duckduckgo"]
 
 
-class WebSearchSettings(BaseSettings):
+class WebSearchSettings(OwnSources):
     """The opt-in web-search fallback: provider, allow and deny lists, budgets, privacy.
 
     Resolved in the same order as ``CragSettings``: constructor, then ``CRAG_WEB``
@@ -211,15 +229,10 @@ class WebSearchSettings(BaseSettings):
     user_agent: str = Field(default="llama-index-crag web fallback", description="User-Agent of page fetches.")
 
     @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
+    def own_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource
     ) -> Tuple[PydanticBaseSettingsSource, ...]:
-        """The kill switch, then constructor, then environment: no ``.env`` or secrets files."""
+        """The kill switch, then constructor, then environment."""
         environment = Environment(settings_cls, current_sources().env, cls.env_aliases)
         return KillSwitch(settings_cls, environment), init_settings, environment
 
