@@ -28,6 +28,10 @@ class InvalidQueryError(CragError, ValueError):
     """The query cannot be answered as given (empty, or longer than ``max_query_chars``)."""
 
 
+class MissingDependency(CragError, ImportError):
+    """An optional package a feature needs is not installed; the message names the install command."""
+
+
 # --- the loop's parts ---------------------------------------------------------------------------------------------
 
 
@@ -84,6 +88,7 @@ __all__ = [
     "GraderLoadError",
     "IndexFolderError",
     "InvalidQueryError",
+    "MissingDependency",
     "RetrievalUnavailableError",
     "RewriteError",
     "StoreError",

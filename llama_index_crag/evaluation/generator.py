@@ -12,6 +12,8 @@ from llama_index.core.llms import LLM
 from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
+from llama_index_crag.errors import MissingDependency
+
 SKIPPED_ANSWER = "(generation skipped)"
 
 TokenCounter = Callable[[str], int]
@@ -27,7 +29,9 @@ def generator_token_counter() -> TokenCounter:
     try:
         from llama_cpp import Llama
     except ImportError as exc:
-        raise ImportError("counting generator tokens needs llama.cpp: pip install 'llama-index-crag[local]'") from exc
+        raise MissingDependency(
+            "counting generator tokens needs llama.cpp: pip install 'llama-index-crag[local]'"
+        ) from exc
     from llama_index_crag.local.bundled import bundled_gguf_path
 
     vocab = Llama(model_path=str(bundled_gguf_path()), vocab_only=True, verbose=False)

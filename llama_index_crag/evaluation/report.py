@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from llama_index_crag.errors import MissingDependency
 from llama_index_crag.evaluation.metrics import LATENCY_STAGES
 
 ACTIONS = ("correct", "ambiguous", "incorrect", "disabled")
@@ -178,7 +179,7 @@ def _plots(out: Path, figures: Figures) -> None:
     try:
         import matplotlib
     except ImportError as exc:
-        raise ImportError("the evaluation plots need matplotlib: pip install 'llama-index-crag[eval]'") from exc
+        raise MissingDependency("the evaluation plots need matplotlib: pip install 'llama-index-crag[eval]'") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

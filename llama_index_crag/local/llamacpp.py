@@ -14,10 +14,12 @@ from llama_index.core.llms import ChatMessage
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.types import Model
 
+from llama_index_crag.errors import MissingDependency
+
 try:
     from llama_index.llms.llama_cpp import LlamaCPP
 except ImportError as exc:  # the optional [local] extra
-    raise ImportError("in-process generation needs llama.cpp: pip install 'llama-index-crag[local]'") from exc
+    raise MissingDependency("in-process generation needs llama.cpp: pip install 'llama-index-crag[local]'") from exc
 
 from llama_index_crag.local.bundled import bundled_gguf_path
 

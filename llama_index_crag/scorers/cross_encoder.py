@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, List, Literal, Optional, Sequence
 
+from llama_index_crag.errors import MissingDependency
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 
 Backend = Literal["sentence-transformers", "flagembedding"]
@@ -45,7 +46,7 @@ class CrossEncoderScorer(RelevanceScorer):
             try:
                 from sentence_transformers import CrossEncoder
             except ImportError as exc:
-                raise ImportError(
+                raise MissingDependency(
                     "CrossEncoderScorer needs sentence-transformers: pip install 'llama-index-crag[cross-encoder]'"
                 ) from exc
             self._model = CrossEncoder(model, max_length=max_length, device=device)
@@ -53,7 +54,7 @@ class CrossEncoderScorer(RelevanceScorer):
             try:
                 from FlagEmbedding import FlagReranker
             except ImportError as exc:
-                raise ImportError(
+                raise MissingDependency(
                     "The flagembedding backend needs FlagEmbedding 1.4 "
                     "(with transformers<5, sentence-transformers<6): "
                     "pip install 'llama-index-crag[flagembedding]'"

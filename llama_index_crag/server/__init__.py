@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 
+from llama_index_crag.errors import MissingDependency
+
 #: The command that installs what the server needs.
 INSTALL = "pip install 'llama-index-crag[server]'"
 #: The packages of the ``[server]`` extra, by import name.
@@ -20,4 +22,4 @@ def require_extra() -> None:
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            raise ImportError(f"the query server needs {name}, which is not installed: {INSTALL}") from exc
+            raise MissingDependency(f"the query server needs {name}, which is not installed: {INSTALL}") from exc

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from llama_index_crag.errors import MissingDependency
 from llama_index_crag.server import INSTALL
 
 try:
     from fastapi import FastAPI
 except ImportError as exc:  # the optional [server] extra
-    raise ImportError(f"the query server needs FastAPI: {INSTALL}") from exc
+    raise MissingDependency(f"the query server needs FastAPI: {INSTALL}") from exc
 
 from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.server.errors import add_error_handlers

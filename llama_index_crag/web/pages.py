@@ -15,6 +15,7 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from llama_index_crag.core.settings import WebSearchSettings
+from llama_index_crag.errors import MissingDependency
 
 TEXT_TYPES = ("text/html", "application/xhtml+xml", "text/plain")
 MAX_REDIRECTS = 3
@@ -255,7 +256,7 @@ def extract_main_text(html: str) -> Tuple[str, str]:
     try:
         import trafilatura
     except ImportError as exc:
-        raise ImportError("web page extraction needs trafilatura: pip install 'llama-index-crag[web]'") from exc
+        raise MissingDependency("web page extraction needs trafilatura: pip install 'llama-index-crag[web]'") from exc
     from bs4 import BeautifulSoup, Tag
 
     soup = BeautifulSoup(html, "html.parser")

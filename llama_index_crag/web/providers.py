@@ -8,7 +8,7 @@ from typing import Any, List, Mapping, Optional, Protocol, Sequence
 import httpx
 
 from llama_index_crag.core.settings import WebSearchSettings
-from llama_index_crag.errors import ConfigError, WebSearchError
+from llama_index_crag.errors import ConfigError, MissingDependency, WebSearchError
 
 _INSTALL = "pip install 'llama-index-crag[web]'"
 
@@ -82,7 +82,7 @@ class TavilySearch:
         try:
             from tavily import TavilyClient
         except ImportError as exc:
-            raise ImportError(f"the Tavily provider needs tavily-python: {_INSTALL}") from exc
+            raise MissingDependency(f"the Tavily provider needs tavily-python: {_INSTALL}") from exc
         try:
             self._client = TavilyClient(api_key=api_key, api_base_url=base_url)
         except Exception as exc:
@@ -116,7 +116,7 @@ class DuckDuckGoSearch:
         try:
             import ddgs  # noqa: F401
         except ImportError as exc:
-            raise ImportError(f"the DuckDuckGo provider needs ddgs: {_INSTALL}") from exc
+            raise MissingDependency(f"the DuckDuckGo provider needs ddgs: {_INSTALL}") from exc
         self.region = region
 
     def search(self, query: str, max_results: int, timeout_s: float) -> List[SearchResult]:

@@ -29,7 +29,7 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import BaseNode, TextNode
 from llama_index.core.vector_stores.utils import metadata_dict_to_node
 
-from llama_index_crag.errors import StoreError, StoreUnavailableError
+from llama_index_crag.errors import MissingDependency, StoreError, StoreUnavailableError
 
 if TYPE_CHECKING:
     from psycopg import Connection
@@ -49,7 +49,7 @@ def _psycopg() -> Any:
         import psycopg
         import psycopg_pool
     except ImportError as exc:
-        raise ImportError(f"the PostgreSQL store needs psycopg, psycopg-pool and pgvector: {_INSTALL}") from exc
+        raise MissingDependency(f"the PostgreSQL store needs psycopg, psycopg-pool and pgvector: {_INSTALL}") from exc
     return psycopg, psycopg_pool, pgvector.psycopg
 
 
@@ -164,7 +164,7 @@ class PostgresStore:
         try:
             from llama_index.vector_stores.postgres import PGVectorStore
         except ImportError as exc:
-            raise ImportError(f"PGVectorStore needs llama-index-vector-stores-postgres: {_INSTALL}") from exc
+            raise MissingDependency(f"PGVectorStore needs llama-index-vector-stores-postgres: {_INSTALL}") from exc
         from sqlalchemy.engine import make_url
 
         parts = make_url(self.url)
