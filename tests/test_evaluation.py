@@ -145,12 +145,15 @@ def test_the_same_command_again_reuses_the_saved_rows_and_asks_nothing(
     evaluated: Tuple[List[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     argv, out = evaluated
-    before = json.loads((out / "results.json").read_text())["rows"]
+    before = json.loads((out / "results.json").read_text())
     again = JudgingLLM()
     monkeypatch.setattr("llama_index_crag.local.models.default_llm", lambda *args: (again, "scripted"))
     assert main([*argv, "--no-progress"]) == 0
-    assert json.loads((out / "results.json").read_text())["rows"] == before
+    after = json.loads((out / "results.json").read_text())
+    assert after["rows"] == before["rows"]
     assert again.calls == {"answer": 0, "rewrite": 0}
+    # The systems' times are their queries', from the saved rows: the same as the first run's, not 0.0 s.
+    assert after["meta"]["wall_s"] == before["meta"]["wall_s"] and min(after["meta"]["wall_s"].values()) > 0
 
 
 def test_no_generate_measures_the_prompt_but_never_calls_the_generator(dataset: Path, tmp_path: Path) -> None:

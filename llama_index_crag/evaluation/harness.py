@@ -182,7 +182,6 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
     for engine in engines.values() if pending else ():  # loads what a system loads lazily, outside the measurement
         engine.query(pending[0][0].question.question)
         generator.take()
-    wall_s = dict.fromkeys(engines, 0.0)
     names = list(engines)
     with (out / ROWS_FILE).open("a", encoding="utf-8") as sink:
         for i, (q, kind) in enumerate(tqdm(queries, desc="queries", unit="q", disable=not config.progress)):
@@ -191,12 +190,13 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 key = (name, kind, q.question.qid)
                 if key not in done:
-                    started = time.perf_counter()
                     done[key] = _ask(engines[name], name, kind, q, corpus, generator, config.generate, count)
-                    wall_s[name] += time.perf_counter() - started
                     sink.write(json.dumps(done[key]) + "\n")
                     sink.flush()
     rows: List[Dict[str, Any]] = [done[(name, kind, q.question.qid)] for name in names for q, kind in queries]
+    # Each system's time is its queries' own, summed from the rows, so that a resumed run counts the rows an
+    # earlier run answered too (timing only this run's queries reported 0.0 s for a run resumed when complete).
+    wall_s = {name: sum(r["timings_ms"]["total"] for r in rows if r["system"] == name) / 1000.0 for name in names}
     figures = summarize(rows, config.systems)
     results = {
         "meta": {
