@@ -316,6 +316,18 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
         )
 
 
+def test_a_judge_limit_too_small_to_measure_the_judge_says_to_raise_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setattr("llama_index_crag.local.models.default_llm", lambda *args: (ScriptedLLM(), "scripted"))
+    argv = ["grade-report", "--dataset", str(SAMPLE_DIR), "--scorers", "llm-judge", "--judge-limit", "1"]
+    assert main([*argv, "--folds", "3", "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llama-crag: llm-judge: --judge-limit 1 leaves ") and err.strip().endswith(
+        "raise --judge-limit"
+    )
+
+
 def test_each_scorer_is_set_against_the_default_with_a_paired_bootstrap_interval() -> None:
     from llama_index_crag.calibration.report_figures import against_default, table
 

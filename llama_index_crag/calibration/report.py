@@ -21,7 +21,7 @@ from llama_index_crag.calibration.fit import (
     write_calibration,
 )
 from llama_index_crag.calibration.report_figures import KINDS, Outcome, against_default, figures, plot, table
-from llama_index_crag.errors import ConfigError
+from llama_index_crag.errors import ConfigError, DatasetError
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.scorers.registry import from_spec, report_scorers
@@ -235,10 +235,18 @@ def run_report(
         if name == "llm-judge":
             keep = {b.question.qid for b in batches[:judge_limit]}
             subset = [b for b in batches if b.question.qid in keep]
-        if calibration_data is not None and calibration_data.get("scorer") == scorer.name:
-            outcome = with_calibration(scorer, subset, calibration_data, progress, strips)
-        else:
-            outcome = cross_validate(scorer, subset, folds=folds, targets=targets, progress=progress, strips=strips)
+        try:
+            if calibration_data is not None and calibration_data.get("scorer") == scorer.name:
+                outcome = with_calibration(scorer, subset, calibration_data, progress, strips)
+            else:
+                outcome = cross_validate(scorer, subset, folds=folds, targets=targets, progress=progress, strips=strips)
+        except DatasetError as exc:
+            if subset is batches:
+                raise
+            raise DatasetError(
+                f"{name}: --judge-limit {judge_limit} leaves {len(subset)} batches, too few to measure it ({exc}); "
+                "raise --judge-limit"
+            ) from exc
         result = figures(outcome)
         result["strips"] = outcome.strips
         result["default"] = name == "default"
