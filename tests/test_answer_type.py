@@ -18,7 +18,7 @@ BRIDGE_LENGTH = "The Kestrel Bridge in Farrow spans 312 metres across the Lune e
         ("How long did the June 2023 EU-2 outage last?", {"duration"}),
         ("In what year did the bridge open?", {"year"}),
         ("When did the office open?", {"date"}),
-        ("The office stayed open until when?", {"date"}),
+        ("Since when has the office been open?", {"date"}),
         ("Who can enforce the law when member states provide lesser rights?", {"person"}),
         ("Who chairs the cooperative?", {"person"}),
         ("Where is the head office?", {"place"}),
@@ -33,6 +33,12 @@ def test_the_question_says_what_kind_of_answer_it_asks_for(question: str, kinds:
 
 def test_a_when_that_opens_a_clause_asks_for_no_date() -> None:
     assert asked_kinds("What is the resultant force called when two forces act on a particle?") is None
+
+
+def test_until_when_is_answered_by_a_date_or_an_event_so_it_asks_for_no_kind() -> None:
+    # SQuAD 2.0: "The price of oil is usually a stable commodity until when?" -> "the oil shock".
+    assert asked_kinds("The price of oil is usually a stable commodity until when?") is None
+    assert asked_kinds("The office stayed open till when?") is None
 
 
 def test_a_length_asked_and_only_a_date_present_is_not_an_answer() -> None:

@@ -59,15 +59,18 @@ _ORGANISATION = re.compile(
     re.IGNORECASE,
 )
 
-#: "when" as the question's own word: first, before an auxiliary ("... and when did it open"), after "since" or
-#: "until", or last. A "when" that opens a clause ("Who can enforce it when member states provide less?", "What
-#: is the force called when two forces act?") asks for no date.
+#: "when" as the question's own word: first, before an auxiliary ("... and when did it open"), after "since",
+#: or last. A "when" that opens a clause ("Who can enforce it when member states provide less?", "What is the
+#: force called when two forces act?") asks for no date.
 _ASKING_WHEN = (
     r"^\W*when\b|\bwhen\s+(?:did|does|do|was|were|is|are|will|would|can|could|has|have|had|should|must|might)\b"
-    r"|\b(?:since|until|till) when\b|\bwhen\W*$"
+    r"|\bsince when\b|\bwhen\W*$"
 )
+#: "Until when?" is answered by a date or by an event ("stable until the oil shock"), and an event has no pattern
+#: to check: such a question asks for no kind that a passage must hold.
+_UNTIL_WHEN = r"\b(?:until|till|til) when\b"
 
-#: (question pattern, the kinds of answer that satisfy it), the first match wins.
+#: (question pattern, the kinds of answer that satisfy it), the first match wins; no kinds: none can be checked.
 _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), frozenset(kinds.split()))
     for pattern, kinds in (
@@ -82,6 +85,7 @@ _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
             "length duration",
         ),
         (r"\b(what|which|in what) (year|decade|century)\b|\bwhat year\b", "year"),
+        (_UNTIL_WHEN, ""),
         (rf"{_ASKING_WHEN}|\bwhat (date|day|month|time)\b|\bwhich (date|day|month)\b", "date"),
         (r"\bwhat (percentage|percent|share|proportion)\b|\bhow many percent\b", "percent"),
         (
@@ -101,7 +105,7 @@ def asked_kinds(question: str) -> Optional[FrozenSet[str]]:
     """The kinds of answer the question asks for ("how long does it last" asks for a duration), or None."""
     for pattern, kinds in _QUESTION_KINDS:
         if pattern.search(question):
-            return kinds
+            return kinds or None
     return None
 
 
