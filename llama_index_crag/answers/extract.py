@@ -108,8 +108,8 @@ class EvidenceQuoter:
 
     def quote(self, question: str, nodes: Sequence[NodeWithScore]) -> QuotedAnswer:
         """The quoted answer to ``question`` from ``nodes`` (empty when they hold no text)."""
-        found: List[tuple[int, int, Any, NodeWithScore]] = []
-        graded: Dict[int, float] = {}  # strips the refiner already scored, by their place in ``found``
+        # (rank, position, strip, node, score): a refined passage's strips carry the score the refiner gave them.
+        found: List[Tuple[int, int, Strip, NodeWithScore, Optional[float]]] = []
         for rank, node in enumerate(nodes):
             title = str(node.node.metadata.get("title") or "")
             # A refined passage is quoted from the strips the refiner kept, with the context and score it gave them.
@@ -119,16 +119,13 @@ class EvidenceQuoter:
                 if kept
                 else [(s, None) for s in decompose(node.node.get_content(), self.strip_min_tokens, title)]
             )
-            for position, (strip, score) in enumerate(strips):
-                if strip.text.strip():
-                    if score is not None:
-                        graded[len(found)] = score
-                    found.append((rank, position, strip, node))
+            found += [(rank, position, strip, node, score) for position, (strip, score) in enumerate(strips)]
+        found = [f for f in found if f[2].text.strip()]
         if not found:
             return QuotedAnswer([])
-        fresh = [i for i in range(len(found)) if i not in graded]
+        fresh = [i for i, f in enumerate(found) if f[4] is None]
         scored = self.scorer.score_texts(question, [found[i][2].graded_text for i in fresh]) if fresh else []
-        scores = [graded.get(i, 0.0) for i in range(len(found))]
+        scores = [f[4] or 0.0 for f in found]
         for i, score in zip(fresh, scored):
             scores[i] = float(score)
         ranked = sorted(range(len(found)), key=lambda i: -scores[i])
