@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from llama_index_crag.errors import ConfigError, GraderLoadError
+from llama_index_crag.errors import ConfigError, GraderLoadError, MissingDependency
 
 GRADER_VERSION = 1
 GRADER_FILE = "grader.json"
@@ -99,7 +99,7 @@ class Reader:
             try:
                 from peft import LoraConfig, get_peft_model
             except ImportError as exc:
-                raise ConfigError("a LoRA adapter needs peft: pip install 'llama-index-crag[train]'") from exc
+                raise MissingDependency("a LoRA adapter needs peft: pip install 'llama-index-crag[train]'") from exc
 
             adapter = LoraConfig(
                 r=lora_rank, lora_alpha=LORA_ALPHA_PER_RANK * lora_rank, lora_dropout=0.1, target_modules=LORA_TARGETS

@@ -104,10 +104,7 @@ def _ingest(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from llama_index_crag.server import require_extra
 
-    try:
-        require_extra()
-    except ImportError as exc:
-        raise SystemExit(f"llama-crag serve: {exc}") from None
+    require_extra()  # a missing package is a MissingDependency: main() prints it in one line
     from llama_index_crag.server.main import ServeOptions, serve
 
     if bool(args.index) == bool(args.store):
