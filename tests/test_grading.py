@@ -36,6 +36,26 @@ def test_thresholds_meet_their_targets_on_the_rows_they_were_fitted_on() -> None
     assert ((scores >= fitted["upper"]) & ~truth).sum() <= 0.05 * (scores >= fitted["upper"]).sum()
 
 
+def test_a_false_reject_cap_holds_lower_down_where_the_recall_target_would_raise_it() -> None:
+    rng = np.random.default_rng(1)
+    answered = rng.uniform(0.3, 1.0, 100)  # overlaps the out-of-corpus scores: the two targets disagree
+    scores = np.concatenate([answered, rng.uniform(0.0, 0.6, 100)])
+    kinds = ["in-corpus"] * 100 + ["out-of-corpus"] * 100
+    free = fit_thresholds(scores, kinds, target_recall=0.95)
+    assert free["false_reject"] > 0.05  # the recall target alone rejects more than the cap allows
+    for cap in (0.0, 0.03, 0.05):
+        capped = fit_thresholds(scores, kinds, target_recall=0.95, max_false_reject=cap)
+        assert (answered < capped["lower"]).mean() <= cap
+        assert capped["false_reject"] == pytest.approx((answered < capped["lower"]).mean())
+        assert capped["lower"] < free["lower"] and capped["recall_incorrect"] < free["recall_incorrect"]
+    # Where the recall target already rejects less than the cap, the cap changes nothing.
+    assert fit_thresholds(scores, kinds, target_recall=0.5, max_false_reject=0.5)["lower"] == pytest.approx(
+        fit_thresholds(scores, kinds, target_recall=0.5)["lower"]
+    )
+    with pytest.raises(ValueError, match="max_false_reject"):
+        fit_thresholds(scores, kinds, max_false_reject=1.0)
+
+
 def test_thresholds_need_both_classes() -> None:
     with pytest.raises(ValueError, match="both with and without"):
         fit_thresholds([0.1, 0.2], ["in-corpus", "in-corpus"])
@@ -298,6 +318,9 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
     assert (tmp_path / "r" / "grade-report.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "| evidence:all-MiniLM-L6-v2" in printed and "| out-of-corpus |" in printed and "(default) |" in printed
+    incorrect = [b["verdict"] == "incorrect" for b in evidence["batches"] if b["kind"] == "in-corpus"]
+    assert evidence["false_reject"] == pytest.approx(sum(incorrect) / len(incorrect))
+    assert f"/ {evidence['false_reject']:.3f} |" in printed
     with pytest.raises(ValueError, match="calibrate on a split"):
         from llama_index_crag.calibration.report import run_report
 
@@ -314,6 +337,21 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
             8,
             progress=False,
         )
+
+
+def test_calibrate_with_a_false_reject_cap_writes_it_and_what_it_reached(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "capped.json"
+    argv = ["calibrate", "--dataset", str(SAMPLE_DIR), "--no-progress", "--target-recall", "0.99"]
+    assert main([*argv, "--max-false-reject", "0.0", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["targets"]["max_false_reject"] == 0.0 and data["achieved"]["false_reject"] == 0.0
+    assert "with the answer graded INCORRECT 0.000" in capsys.readouterr().out
+    assert main([*argv, "--out", str(tmp_path / "free.json")]) == 0
+    free = json.loads((tmp_path / "free.json").read_text())
+    assert free["achieved"]["false_reject"] > 0.0  # so the cap above did hold lower down
+    assert data["thresholds"]["lower"] < free["thresholds"]["lower"]
+    assert main([*argv, "--max-false-reject", "1.5", "--out", str(out)]) == 2
+    assert "--max-false-reject must be at least 0 and below 1" in capsys.readouterr().err
 
 
 def test_a_judge_limit_too_small_to_measure_the_judge_says_to_raise_it(

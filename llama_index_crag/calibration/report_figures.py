@@ -50,13 +50,17 @@ def figures(outcome: Outcome) -> Dict[str, Any]:
             rows[other] = {
                 "auroc": _auroc(outcome.aggregate[kinds == IN_CORPUS], outcome.aggregate[kinds == other]),
                 "accuracy": float(right[mask].mean()),
+                "caught": float((~answered[kinds == other]).mean()),
                 "batches": int(mask.sum()),
             }
+    with_answer = kinds == IN_CORPUS
     return {
         "scorer": outcome.scorer,
         "normalization": outcome.normalization,
         "rows": rows,
         "three_band_accuracy": float(right.mean()),
+        # Batches with the answer graded INCORRECT: what the engine abstains on unless its fallback finds it.
+        "false_reject": float((~answered[with_answer]).mean()) if with_answer.any() else None,
         "accuracy_ceiling": accuracy_ceiling(outcome.aggregate, kinds == IN_CORPUS),
         "confusion": confusion,
         "pairs_per_second": round(outcome.pairs_per_second, 1),
@@ -145,17 +149,18 @@ def accuracy_ceiling(scores: np.ndarray, answerable: np.ndarray) -> Dict[str, Op
 def table(results: Sequence[Mapping[str, Any]]) -> str:
     """The report as a Markdown table: one row per scorer and comparison."""
     lines = [
-        "| scorer | row | AUROC | against the default (95%) | accuracy | batches | three-band accuracy | ceiling "
-        "| pairs/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| scorer | row | AUROC | against the default (95%) | accuracy | graded INCORRECT: row / with the answer "
+        "| batches | three-band accuracy | ceiling | pairs/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         for row, values in result["rows"].items():
             auroc = "-" if values["auroc"] is None else f"{values['auroc']:.3f}"
             scorer = f"{result['scorer']} (default)" if result.get("default") else result["scorer"]
             lines.append(
-                f"| {scorer} | {row} | {auroc} | {_against(values)} | {values['accuracy']:.3f} | {values['batches']} "
-                f"| {result['three_band_accuracy']:.3f} | {_ceiling(result)} | {result['pairs_per_second']:.0f} |"
+                f"| {scorer} | {row} | {auroc} | {_against(values)} | {values['accuracy']:.3f} "
+                f"| {_rejected(result, values)} | {values['batches']} | {result['three_band_accuracy']:.3f} "
+                f"| {_ceiling(result)} | {result['pairs_per_second']:.0f} |"
             )
     return "\n".join(lines)
 
@@ -166,6 +171,12 @@ def _against(values: Mapping[str, Any]) -> str:
         return "-"
     low, high = found["interval"]
     return f"{found['difference']:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def _rejected(result: Mapping[str, Any], values: Mapping[str, Any]) -> str:
+    if values.get("caught") is None or result.get("false_reject") is None:
+        return "-"
+    return f"{values['caught']:.3f} / {result['false_reject']:.3f}"
 
 
 def _ceiling(result: Mapping[str, Any]) -> str:

@@ -134,12 +134,25 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="use only the first N questions")
     parser.add_argument("--target-precision", type=float, default=0.9, help="precision wanted of CORRECT")
     parser.add_argument("--target-recall", type=float, default=0.9, help="share of out-of-corpus batches to catch")
+    parser.add_argument(
+        "--max-false-reject",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="hold lower so that at most this share of the batches with the answer grade INCORRECT (a cap on false "
+        "abstention that wins over --target-recall), e.g. 0.03",
+    )
     parser.add_argument("--strip-min-tokens", type=int, default=8, help="knowledge-strip size, as in the engine")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
 
 
 def _targets(args: argparse.Namespace) -> dict:
-    return {"target_precision": args.target_precision, "target_recall": args.target_recall}
+    targets = {"target_precision": args.target_precision, "target_recall": args.target_recall}
+    if args.max_false_reject is not None:
+        if not 0.0 <= args.max_false_reject < 1.0:
+            raise ConfigError(f"--max-false-reject must be at least 0 and below 1, got {args.max_false_reject}")
+        targets["max_false_reject"] = args.max_false_reject
+    return targets
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -167,7 +180,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     print(
         f"Achieved on {sum(data['samples'].values())} batches {data['samples']}: precision of CORRECT "
-        f"{a['precision_correct']:.3f}, recall of INCORRECT {a['recall_incorrect']:.3f}. Wrote {args.out}."
+        f"{a['precision_correct']:.3f}, recall of INCORRECT {a['recall_incorrect']:.3f}, batches with the answer "
+        f"graded INCORRECT {a.get('false_reject', 0.0):.3f}. Wrote {args.out}."
     )
     return 0
 
