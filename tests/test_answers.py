@@ -108,6 +108,32 @@ def test_extract_mode_quotes_the_best_strips_with_their_source_and_generates_not
     texts = [n.node.get_content() for n in response.source_nodes]
     assert all(any(q["text"] in " ".join(t.split()) for t in texts) for q in trace["quotes"]), "quotes are verbatim"
     assert llm.calls["answer"] == 0 and trace["grounded"] is None
+    # The quotes, read together under their passage's title, answer the question as a passage must.
+    check = trace["quote_check"]
+    assert check["passed"] and check["grade"] >= check["threshold"] == trace["thresholds"]["lower"]
+    assert check["withheld"] == []
+
+
+def test_quotes_on_the_subject_that_do_not_answer_are_withheld_and_the_engine_abstains(
+    sample_index: VectorStoreIndex,
+) -> None:
+    # The Q4 2023 results passage is retrieved and graded, and its best strip that names no other quarter is about
+    # free cash flow: on the subject, clearing the strip threshold, and no answer to a question about NRR.
+    question = "What NRR did the company report for Q4 2023?"
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, answer_mode="extract", fallback_sources=("bm25",))
+    trace = crag(engine.query(question))
+    check = trace["quote_check"]
+    assert trace["abstained"] and trace["answered_by"] == "abstain" and trace["quotes"] == []
+    assert not check["passed"] and check["grade"] < check["threshold"] == trace["thresholds"]["lower"]
+    assert any("free cash flow" in q["text"] for q in check["withheld"])
+    assert "under the quote threshold" in trace["abstain_reason"]
+    # The check is what withheld them: turned off, the same strips are the answer.
+    off = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, answer_mode="extract", fallback_sources=("bm25",), quote_threshold=0.0
+    )
+    trace = crag(off.query(question))
+    assert trace["answered_by"] == "extract" and trace["quote_check"] is None
+    assert [q["text"] for q in trace["quotes"]] == [q["text"] for q in check["withheld"]]
 
 
 @pytest.mark.parametrize(

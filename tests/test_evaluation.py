@@ -404,6 +404,9 @@ def test_eval_with_extract_never_asks_the_generator_for_crag_and_unchecked_keeps
     rows = run_evaluation(config, quoting, count_tokens=words)["rows"]
     assert quoting.calls["answer"] == 0
     assert {r["answered_by"] for r in rows if not r["abstained"]} == {"extract"}
+    # Every quoted answer was graded as a whole, and only an abstention can have had its quotes withheld.
+    assert all(r["quote_grade"] is not None and not r["quotes_withheld"] for r in rows if not r["abstained"])
+    assert all(r["quote_grade"] is not None for r in rows if r["quotes_withheld"])
     unchecked = crag_only(dataset, tmp_path / "u", answer_mode="generate", check_answers=False)
     assert unchecked.fingerprint() != config.fingerprint()
     rows = run_evaluation(unchecked, InventingLLM(), count_tokens=words)["rows"]

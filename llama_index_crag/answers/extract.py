@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from llama_index.core.schema import NodeWithScore
@@ -35,9 +35,16 @@ class Quote:
 
 @dataclass(frozen=True)
 class QuotedAnswer:
-    """The quotes of an extractive answer, in document order."""
+    """The quotes of an extractive answer, in document order.
+
+    ``grade`` is the quotes read together as one passage and graded against the question
+    (None when that check is off or nothing was found); ``withheld`` holds the quotes that
+    were found but not given because that grade fell under the quote threshold.
+    """
 
     quotes: List[Quote]
+    grade: Optional[float] = None
+    withheld: List[Quote] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -50,6 +57,17 @@ class QuotedAnswer:
     def to_list(self) -> List[Dict[str, Any]]:
         """The quotes as JSON-ready dicts (for the trace)."""
         return [asdict(q) for q in self.quotes]
+
+    def check(self, threshold: float) -> Optional[Dict[str, Any]]:
+        """The quotes' check for the trace: their grade together, the threshold, and what was withheld."""
+        if self.grade is None:
+            return None
+        return {
+            "grade": self.grade,
+            "threshold": threshold,
+            "passed": not self.withheld,
+            "withheld": [asdict(q) for q in self.withheld],
+        }
 
 
 def source_name(node: NodeWithScore) -> str:
@@ -91,20 +109,32 @@ class EvidenceQuoter:
     ordered as the context is (by grade), and within a passage as the text is, so a
     passage's sentences read in their own order.
 
+    Then the quotes are read together, as one passage under its title, and graded against
+    the question once more: a strip can clear the strip threshold by sharing the question's subject,
+    but what is quoted must answer it as a passage must (the engine passes ``lower``
+    as ``answer_threshold``). Under it the quotes are withheld and the engine abstains.
+
     Args:
         scorer: The grader's scorer.
         max_quotes: The most strips quoted.
         threshold: The score a strip must reach to be quoted.
         strip_min_tokens: Strip size, as the refiner's.
+        answer_threshold: The grade the quotes together must reach; 0 skips that check.
     """
 
     def __init__(
-        self, scorer: RelevanceScorer, max_quotes: int = 2, threshold: float = 0.5, strip_min_tokens: int = 8
+        self,
+        scorer: RelevanceScorer,
+        max_quotes: int = 2,
+        threshold: float = 0.5,
+        strip_min_tokens: int = 8,
+        answer_threshold: float = 0.0,
     ) -> None:
         self.scorer = scorer
         self.max_quotes = max_quotes
         self.threshold = threshold
         self.strip_min_tokens = strip_min_tokens
+        self.answer_threshold = answer_threshold
 
     def quote(self, question: str, nodes: Sequence[NodeWithScore]) -> QuotedAnswer:
         """The quoted answer to ``question`` from ``nodes`` (empty when they hold no text)."""
@@ -141,17 +171,25 @@ class EvidenceQuoter:
                 eligible.append(i)
         chosen = [i for i in eligible[: self.max_quotes] if scores[i] >= self.threshold]
         chosen.sort(key=lambda i: found[i][:2])
-        return QuotedAnswer(
-            [
-                Quote(
-                    text=" ".join(found[i][2].text.split()),
-                    source=source_name(found[i][3]),
-                    node_id=found[i][3].node.node_id,
-                    score=round(float(scores[i]), 4),
-                )
-                for i in chosen
-            ]
-        )
+        quotes = [
+            Quote(
+                text=" ".join(found[i][2].text.split()),
+                source=source_name(found[i][3]),
+                node_id=found[i][3].node.node_id,
+                score=round(float(scores[i]), 4),
+            )
+            for i in chosen
+        ]
+        if not quotes or self.answer_threshold <= 0.0:
+            return QuotedAnswer(quotes)
+        # Read as a passage is: under its title, where the quoted passages have one.
+        titles = list(dict.fromkeys(str(found[i][3].node.metadata.get("title") or "").strip() for i in chosen))
+        heading = "; ".join(t for t in titles if t)
+        joint = " ".join(q.text for q in quotes)
+        grade = round(float(self.scorer.score_texts(question, [f"{heading}. {joint}" if heading else joint])[0]), 4)
+        if grade < self.answer_threshold:
+            return QuotedAnswer([], grade=grade, withheld=quotes)
+        return QuotedAnswer(quotes, grade=grade)
 
     async def aquote(self, question: str, nodes: Sequence[NodeWithScore]) -> QuotedAnswer:
         """``quote`` off the event loop (scoring is CPU-bound)."""

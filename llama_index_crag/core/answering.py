@@ -96,6 +96,7 @@ class AnswerSteps:
         with trace.timed("extract"):
             quoted = yield Io(bind(self._quoter.quote, question, context), bind(self._quoter.aquote, question, context))
         trace.quotes = quoted.to_list()
+        trace.quote_check = quoted.check(self._quoter.answer_threshold)
         return quoted
 
     def _check(

@@ -110,6 +110,7 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
             max_quotes=settings.max_quotes,
             threshold=refiner.threshold,
             strip_min_tokens=refiner.strip_min_tokens,
+            answer_threshold=grader.lower if settings.quote_threshold is None else settings.quote_threshold,
         )
         self._checker = GroundednessChecker(
             grader.scorer, use_scorer=settings.check_with_grader, strip_min_tokens=refiner.strip_min_tokens
@@ -240,6 +241,11 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
             if quoted.quotes:
                 trace.answered_by = "extract"
                 response = text_response(quoted.text, context, streaming, is_async)
+            elif quoted.withheld:
+                trace.abstain(
+                    f"the best strips, read together, grade {quoted.grade:.3f} against the question, under the "
+                    f"quote threshold {self._quoter.answer_threshold:.3f}: they are on its subject but do not answer it"
+                )
             else:
                 trace.abstain(
                     "no strip of the graded passages clears the strip threshold and states what the question "

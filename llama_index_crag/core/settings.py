@@ -122,6 +122,13 @@ class CragSettings(OwnSources):
         description="The check also scores each answer sentence against the passages with the grader's scorer.",
     )
     max_quotes: int = Field(default=2, ge=1, description="Strips quoted by an extractive answer.")
+    quote_threshold: Optional[float] = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="The grade an extractive answer's quotes, read together, must reach against the question, "
+        "else the engine abstains; None uses lower, 0 turns this check off.",
+    )
     abstain_text: str = Field(
         default="I don't know. The documents I can search do not answer this question.",
         description="The answer given when the engine abstains.",

@@ -108,6 +108,8 @@ class CragTrace:
     answer_check: Optional[Dict[str, Any]] = None
     #: The quoted strips, with their sources, of an extractive answer (or of the evidence beside a failed check).
     quotes: List[Dict[str, Any]] = field(default_factory=list)
+    #: The quotes read together and graded against the question: grade, threshold, passed, and withheld quotes.
+    quote_check: Optional[Dict[str, Any]] = None
     timings_ms: Dict[str, float] = field(default_factory=dict)
 
     @contextmanager

@@ -62,6 +62,9 @@ def make_row(
         "answered_by": trace.get("answered_by"),
         "grounded": trace.get("grounded"),
         "check_outcome": (trace.get("answer_check") or {}).get("outcome"),
+        # The quotes read together and graded: their grade, and whether they were withheld (the engine abstained).
+        "quote_grade": (trace.get("quote_check") or {}).get("grade"),
+        "quotes_withheld": (trace.get("quote_check") or {}).get("passed") is False,
         # A quoted answer needs no generator, so it is scored with generation skipped too.
         "correct": _correct(kind, question, abstained, answer)
         if generated or trace.get("answer_mode") == "extract"
@@ -130,6 +133,7 @@ def summarize(rows: Sequence[Dict[str, Any]], systems: Sequence[str]) -> Dict[st
                 [None if r["correct"] is None else not r["correct"] for r in answerable if not r["abstained"]]
             ),
             "flagged_answers": _mean([r.get("check_outcome") == "flagged" for r in mine if not r["abstained"]]),
+            "quotes_withheld": _mean([bool(r.get("quotes_withheld")) for r in mine]),
             "answered_by": {
                 a: round(n / len(mine), 4)
                 for a, n in sorted(Counter(r.get("answered_by") or "none" for r in mine).items())

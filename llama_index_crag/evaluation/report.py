@@ -29,6 +29,7 @@ _ROWS: Sequence[Tuple[str, str, str]] = (
     ("truthfulness: correct minus wrong answers, abstaining counts 0 (higher is right)", "truthfulness", "pct"),
     ("wrong answers among answered answerable queries (lower is right)", "wrong_among_answered_answerable", "pct"),
     ("answers flagged by the answer check (kept, marked)", "flagged_answers", "pct"),
+    ("quotes withheld: they did not answer the question together, so CRAG abstained", "quotes_withheld", "pct"),
     ("generator input tokens per query", "input_tokens", "num"),
     ("generator input tokens per answered query", "input_tokens_answered", "num"),
     ("LLM judge calls per query", "judge_calls", "num"),
