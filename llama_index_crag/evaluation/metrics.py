@@ -62,9 +62,10 @@ def make_row(
         "answered_by": trace.get("answered_by"),
         "grounded": trace.get("grounded"),
         "check_outcome": (trace.get("answer_check") or {}).get("outcome"),
-        # The quotes read together and graded: their grade, and whether they were withheld (the engine abstained).
+        # The quotes read together and graded: their grade, and whether the engine abstained for withholding them
+        # (a flagged generated answer is kept whatever its quotes' grade).
         "quote_grade": (trace.get("quote_check") or {}).get("grade"),
-        "quotes_withheld": (trace.get("quote_check") or {}).get("passed") is False,
+        "quotes_withheld": abstained and (trace.get("quote_check") or {}).get("passed") is False,
         # A quoted answer needs no generator, so it is scored with generation skipped too.
         "correct": _correct(kind, question, abstained, answer)
         if generated or trace.get("answer_mode") == "extract"
