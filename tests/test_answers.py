@@ -294,6 +294,22 @@ def test_flag_keeps_an_ungrounded_answer_marked_with_the_evidence_beside_it() ->
     assert trace["quotes"] and "3.2 million" in trace["quotes"][0]["text"]
 
 
+def test_flag_keeps_withheld_quotes_in_the_trace_as_weak_evidence() -> None:
+    # The quotes grade 0.9 together: a quote threshold above that withholds them, and a flagged answer is kept.
+    trace = crag(_checked_engine(WRONG, on_ungrounded="flag", quote_threshold=0.95).query(QUESTION))
+    assert trace["answered_by"] == "generate" and trace["answer_check"]["outcome"] == "flagged"
+    check = trace["quote_check"]
+    assert trace["quotes"] == [] and check["passed"] is False and check["grade"] == 0.9
+    assert "3.2 million" in check["withheld"][0]["text"]
+
+
+def test_extract_never_gives_withheld_quotes_and_says_why_it_abstained() -> None:
+    trace = crag(_checked_engine(WRONG, on_ungrounded="extract", quote_threshold=0.95).query(QUESTION))
+    assert trace["abstained"] and trace["answered_by"] == "abstain" and trace["quotes"] == []
+    assert "failed its check" in trace["abstain_reason"]
+    assert "grade 0.900, under the quote threshold 0.950" in trace["abstain_reason"]
+
+
 def test_extract_replaces_an_ungrounded_answer_with_the_quoted_evidence() -> None:
     response = _checked_engine(WRONG, on_ungrounded="extract").query(QUESTION)
     trace = crag(response)
@@ -340,6 +356,7 @@ def test_a_streamed_answer_is_checked_when_the_stream_ends() -> None:
     check = crag(response)["answer_check"]
     assert check["status"] == "checked" and check["streamed"] and check["outcome"] == "flagged"
     assert crag(response)["grounded"] is False and crag(response)["quotes"]
+    assert crag(response)["quote_check"]["passed"] is True
 
 
 def test_a_stream_cut_midway_is_recorded_as_unchecked() -> None:

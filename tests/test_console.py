@@ -343,6 +343,31 @@ def test_a_generated_answer_the_sources_do_not_support_is_marked(browser: WebDri
         screenshot(browser, "console-flagged.png")
 
 
+def test_quotes_withheld_beside_a_flagged_answer_are_shown_as_weak_evidence(browser: WebDriver, engine: Any) -> None:
+    wrong = "Harbor Pro promises 97.5% monthly uptime, set by Quentin Marsh."
+    generating = CorrectiveQueryEngine.from_defaults(
+        retriever=engine.retriever,
+        llm=Answering(answer=wrong),
+        scorer=engine.grader.scorer,
+        fallback=engine.fallback,
+        upper=engine.grader.upper,
+        lower=engine.grader.lower,
+        answer_mode="generate",
+        on_ungrounded="flag",
+        quote_threshold=0.9999,  # no grade reaches it: the quotes are withheld
+    )
+    with LiveServer(create_app(generating)) as live:
+        open_console(browser, live.url)
+        result = stored(live, ask(browser, CORRECT))
+        check = result["crag"]["quote_check"]
+        assert result["answered_by"] == "generate" and result["crag"]["quotes"] == [] and check["passed"] is False
+        assert browser.find_element(By.ID, "evidence").get_attribute("data-weak") == "true"
+        label = text(browser, browser.find_element(By.ID, "evidence-label"))
+        assert "weakly" in label and f"{check['grade']:.3f}" in label and f"{check['threshold']:.3f}" in label
+        quotes = [q.text for q in by_testid(browser, "quote")]
+        assert len(quotes) == len(check["withheld"]) and all(w["text"] in q for w, q in zip(check["withheld"], quotes))
+
+
 def test_a_guarded_server_asks_for_the_key_then_answers(browser: WebDriver, engine: Any) -> None:
     with LiveServer(create_app(engine, ServerConfig(api_key="k"))) as guarded:
         open_console(browser, guarded.url)

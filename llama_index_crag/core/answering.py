@@ -133,10 +133,17 @@ class AnswerSteps:
             trace.answered_by = "extract"
             return text_response(quoted.text, context, False, is_async)
         unsupported = ", ".join(check.unsupported[:5])
+        withheld = (
+            f"; its best strips, read together, grade {quoted.grade:.3f}, under the quote threshold "
+            f"{self._quoter.answer_threshold:.3f}, so they were not given instead"
+            if quoted.withheld and quoted.grade is not None
+            else ""
+        )
         trace.abstain(
             f"the generated answer failed its check against the sources ({check.reason}"
             + (f"; unsupported: {unsupported}" if unsupported else "")
             + ")"
+            + withheld
         )
         return None
 
@@ -162,7 +169,9 @@ class AnswerSteps:
             outcome = outcome_of(check, "flag")
             if outcome != "kept":
                 try:
-                    crag["quotes"] = self._quoter.quote(query_bundle.query_str, context).to_list()
+                    quoted = self._quoter.quote(query_bundle.query_str, context)
+                    crag["quotes"] = quoted.to_list()
+                    crag["quote_check"] = quoted.check(self._quoter.answer_threshold)
                 except Exception as exc:
                     crag["quotes"] = []
                     check.reason = f"{check.reason}; the evidence could not be quoted: {type(exc).__name__}: {exc}"
