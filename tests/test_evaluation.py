@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
+from llama_index.core.base.response.schema import Response
 from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.llms import LLM, MockLLM
 from llama_index.core.response_synthesizers import get_response_synthesizer
@@ -14,8 +15,9 @@ from llama_index.core.schema import QueryBundle
 
 from llama_index_crag import FallbackRetriever
 from llama_index_crag.cli import main
+from llama_index_crag.datasets import Question
 from llama_index_crag.evaluation.corpus import EvalCorpus
-from llama_index_crag.evaluation.dataset import load_eval_questions
+from llama_index_crag.evaluation.dataset import EvalQuestion, load_eval_questions
 from llama_index_crag.evaluation.generator import SKIPPED_ANSWER, MeteredLLM
 from llama_index_crag.evaluation.harness import EvalConfig, run_evaluation
 from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
@@ -24,6 +26,7 @@ from llama_index_crag.evaluation.metrics import (
     OUT_OF_CORPUS,
     UNANSWERABLE,
     apply_policy,
+    make_row,
     summarize,
     truthfulness,
 )
@@ -359,6 +362,28 @@ def test_truthfulness_rewards_abstaining_over_guessing() -> None:
     assert truthfulness(row(OUT_OF_CORPUS, True, True)) == 0
     assert truthfulness(row(UNANSWERABLE, False, False)) == -1
     assert truthfulness(row(ANSWERABLE, False, None)) is None
+
+
+def test_a_quoted_answer_to_a_claim_is_right_only_when_it_quotes_its_rationale() -> None:
+    rationale = "RESULTS Serum homocysteine fell by 25% with 0.8 mg of folic acid per day."
+    claim = EvalQuestion(Question("c1", "Folic acid lowers homocysteine.", relevant_doc_ids=["d1"]), (rationale,))
+
+    def scored(*quotes: str, answered_by: str = "extract") -> Optional[bool]:
+        trace = {"abstained": False, "action": "correct", "answered_by": answered_by, "answer_mode": "extract",
+                 "quotes": [{"text": q} for q in quotes], "timings_ms": {}}  # fmt: skip
+        response = Response("\n".join(quotes), source_nodes=[], metadata={"crag": trace})
+        return make_row("crag", ANSWERABLE, claim, response, 1.0, (0, 0), False, words)["correct"]
+
+    assert scored("Fasting blood samples were taken after 3 months.", rationale) is True
+    assert scored("Serum homocysteine fell by 25% with 0.8 mg") is True  # a part of the sentence, five words or more
+    assert scored("Fasting blood samples for serum homocysteine were taken after 3 months.") is False
+    assert scored("Serum homocysteine fell") is False  # too short to say which sentence it quotes
+    assert scored(rationale, answered_by="generate") is None  # a generated answer to a claim is not scored
+    squad = EvalQuestion(Question("q1", "How much did it fall?", answers=["25%"]), ("25%",))
+    trace = {"abstained": False, "action": "correct", "answered_by": "extract", "answer_mode": "extract",
+             "quotes": [{"text": rationale}], "timings_ms": {}}  # fmt: skip
+    response = Response(rationale, source_nodes=[], metadata={"crag": trace})
+    assert make_row("crag", ANSWERABLE, squad, response, 1.0, (0, 0), False, words)["correct"] is True
 
 
 class InventingLLM(JudgingLLM):

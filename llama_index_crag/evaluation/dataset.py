@@ -6,7 +6,7 @@ import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from llama_index_crag.datasets import Question, load_questions, read_jsonl
 
@@ -44,6 +44,25 @@ def contains_any(haystack: str, needles: Tuple[str, ...]) -> Optional[bool]:
         return None
     text = normalize(haystack)
     return any(n in text for n in wanted)
+
+
+#: The fewest words a quote needs to count as quoting the evidence sentence it stands inside.
+MIN_QUOTE_WORDS = 5
+
+
+def quotes_any(quotes: Sequence[str], sentences: Tuple[str, ...]) -> Optional[bool]:
+    """Whether any quote is one of ``sentences`` (SciFact's rationale), after normalisation: a sentence stands
+    whole in a quote, or a quote of at least ``MIN_QUOTE_WORDS`` words stands inside a sentence. None with no
+    sentences. A quote of the right abstract's background does not verify a claim; its rationale does."""
+    wanted = [s for s in (normalize(s) for s in sentences) if s]
+    if not wanted:
+        return None
+    for quote in (normalize(q) for q in quotes):
+        if any(s in quote for s in wanted):
+            return True
+        if len(quote.split()) >= MIN_QUOTE_WORDS and any(quote in s for s in wanted):
+            return True
+    return False
 
 
 def load_eval_questions(folder: Path | str) -> List[EvalQuestion]:

@@ -27,6 +27,7 @@ from llama_index_crag.evaluation.generator import MeteredLLM, TokenCounter, gene
 from llama_index_crag.evaluation.metrics import (
     ANSWERABLE,
     OUT_OF_CORPUS,
+    SCORING,
     UNANSWERABLE,
     make_row,
     summarize,
@@ -125,6 +126,7 @@ class EvalConfig:
             "crag_settings": self.crag_settings(),
             "top_k": self.top_k,
             "rerank": [self.rerank_top_k, self.rerank_top_n],
+            "scoring": SCORING,
         }
 
 

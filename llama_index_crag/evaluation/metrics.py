@@ -11,9 +11,11 @@ from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.schema import MetadataMode
 
 from llama_index_crag.core.settings import ON_UNGROUNDED
-from llama_index_crag.evaluation.dataset import EvalQuestion, contains_any
+from llama_index_crag.evaluation.dataset import EvalQuestion, contains_any, quotes_any
 
 ANSWERABLE, UNANSWERABLE, OUT_OF_CORPUS = "answerable", "unanswerable", "out_of_corpus"
+#: How rows are scored; saved rows scored otherwise are not reused (2: claims' quotes scored by their rationale).
+SCORING = 2
 #: Stages whose time is the generator's (excluded from pipeline time).
 LLM_STAGES = ("generate", "rewrite")
 LATENCY_STAGES = (
@@ -67,18 +69,31 @@ def make_row(
         "quote_grade": (trace.get("quote_check") or {}).get("grade"),
         "quotes_withheld": abstained and (trace.get("quote_check") or {}).get("passed") is False,
         # A quoted answer needs no generator, so it is scored with generation skipped too.
-        "correct": _correct(kind, question, abstained, answer)
+        "correct": _correct(kind, question, abstained, answer, _quoted(trace))
         if generated or trace.get("answer_mode") == "extract"
         else None,
         "timings_ms": {**trace["timings_ms"], "total": round(total_ms, 3)},
     }
 
 
-def _correct(kind: str, question: EvalQuestion, abstained: bool, answer: str) -> Optional[bool]:
+def _quoted(trace: Dict[str, Any]) -> Optional[List[str]]:
+    """The quotes the answer is made of, or None when it was generated."""
+    if trace.get("answered_by") != "extract":
+        return None
+    return [str(q.get("text", "")) for q in trace.get("quotes") or []]
+
+
+def _correct(
+    kind: str, question: EvalQuestion, abstained: bool, answer: str, quotes: Optional[List[str]] = None
+) -> Optional[bool]:
+    """Right or wrong: an answer holds a short answer (SQuAD); where a set has none, only evidence sentences
+    (SciFact's claims), a quoted answer is right when it quotes one of them, and a generated one is not scored."""
     if kind != ANSWERABLE:
         return abstained
     if abstained:
         return False
+    if not question.answers and quotes is not None:
+        return quotes_any(quotes, question.gold_context)
     return contains_any(answer, question.answers)
 
 
