@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -228,6 +229,24 @@ def test_corpus_and_sentence_window_embeddings_are_computed_once_then_read_from_
     assert first.passages > len(DOCS), "the chunks and the fallback's sentence windows"
     corpus = EvalCorpus.build(dataset, questions, tmp_path, top_k=3, embed_model=second)
     assert second.passages == 0 and len(corpus.nodes) == len(DOCS)
+
+
+def test_a_copy_of_a_dataset_under_another_name_reads_the_embeddings_of_the_original(
+    dataset: Path, tmp_path: Path
+) -> None:
+    questions = load_eval_questions(dataset)
+    EvalCorpus.build(dataset, questions, tmp_path, top_k=3, embed_model=CountingEmbedding(embed_dim=8))
+    half = tmp_path / "half"  # as docs/grading.md splits a set in two: the same corpus, some of the questions
+    half.mkdir()
+    shutil.copy(dataset / "corpus.jsonl", half / "corpus.jsonl")
+    (half / "questions.jsonl").write_text((dataset / "questions.jsonl").read_text().splitlines()[0] + "\n")
+    copy = CountingEmbedding(embed_dim=8)
+    EvalCorpus.build(half, load_eval_questions(half), tmp_path, top_k=3, embed_model=copy)
+    assert copy.passages == 0
+    (half / "corpus.jsonl").write_text((dataset / "corpus.jsonl").read_text().replace("Porto", "Braga"))
+    changed = CountingEmbedding(embed_dim=8)
+    EvalCorpus.build(half, load_eval_questions(half), tmp_path, top_k=3, embed_model=changed)
+    assert changed.passages > 0, "another corpus is embedded afresh"
 
 
 def judge_engine(llm: LLM) -> LLMJudgeQueryEngine:

@@ -107,8 +107,12 @@ def corpus_cache(
     every command that embeds the same corpus with the same model reads the same vectors.
     """
     model = f"{Path(inner.model_name).name}-{_key(inner.model_name)[:8]}"
-    folder = f"{Path(corpus_file).parent.name}-{content_hash(Path(corpus_file))}"
-    return DiskCachedEmbedding(inner, Path(cache_dir) / "embeddings" / folder / f"{model}.npz", progress)
+    digest = content_hash(Path(corpus_file))
+    root = Path(cache_dir) / "embeddings"
+    path = root / f"{Path(corpus_file).parent.name}-{digest}" / f"{model}.npz"
+    if not path.exists():  # the same corpus under another folder's name (a copy of the dataset) was embedded
+        path = next(iter(sorted(root.glob(f"*-{digest}/{model}.npz"))), path)
+    return DiskCachedEmbedding(inner, path, progress)
 
 
 def unit_vectors(model: BaseEmbedding, texts: Sequence[str]) -> np.ndarray:
