@@ -315,19 +315,27 @@ def test_a_quoted_answer_says_it_was_not_generated(browser: WebDriver, server: L
     assert not by_testid(browser, "unsupported") and not browser.find_element(By.ID, "evidence").is_displayed()
 
 
-def test_a_generated_answer_the_sources_do_not_support_is_marked(browser: WebDriver, engine: Any) -> None:
-    wrong = "Harbor Pro promises 97.5% monthly uptime, set by Quentin Marsh."
-    generating = CorrectiveQueryEngine.from_defaults(
+#: A generated answer with figures and a name that no passage holds.
+WRONG_ANSWER = "Harbor Pro promises 97.5% monthly uptime, set by Quentin Marsh."
+
+
+def flagging(engine: Any, **settings: Any) -> CorrectiveQueryEngine:
+    """The console's engine, but generating ``WRONG_ANSWER`` and keeping it flagged when its check fails."""
+    return CorrectiveQueryEngine.from_defaults(
         retriever=engine.retriever,
-        llm=Answering(answer=wrong),
+        llm=Answering(answer=WRONG_ANSWER),
         scorer=engine.grader.scorer,
         fallback=engine.fallback,
         upper=engine.grader.upper,
         lower=engine.grader.lower,
         answer_mode="generate",
         on_ungrounded="flag",
+        **settings,
     )
-    with LiveServer(create_app(generating)) as live:
+
+
+def test_a_generated_answer_the_sources_do_not_support_is_marked(browser: WebDriver, engine: Any) -> None:
+    with LiveServer(create_app(flagging(engine))) as live:
         open_console(browser, live.url)
         result = stored(live, ask(browser, CORRECT))
         check = result["crag"]["answer_check"]
@@ -337,26 +345,15 @@ def test_a_generated_answer_the_sources_do_not_support_is_marked(browser: WebDri
         marked = [text(browser, m) for m in by_testid(browser, "unsupported")]
         assert {"97.5%", "Quentin Marsh"} <= set(marked) and set(marked) <= set(check["unsupported"])
         assert text(browser, browser.find_element(By.ID, "answer")) == result["answer"]
-        assert result["answer"].strip() == wrong
+        assert result["answer"].strip() == WRONG_ANSWER
         quotes = by_testid(browser, "quote")
         assert quotes and len(quotes) == len(result["crag"]["quotes"]) and any("99.9%" in q.text for q in quotes)
         screenshot(browser, "console-flagged.png")
 
 
 def test_quotes_withheld_beside_a_flagged_answer_are_shown_as_weak_evidence(browser: WebDriver, engine: Any) -> None:
-    wrong = "Harbor Pro promises 97.5% monthly uptime, set by Quentin Marsh."
-    generating = CorrectiveQueryEngine.from_defaults(
-        retriever=engine.retriever,
-        llm=Answering(answer=wrong),
-        scorer=engine.grader.scorer,
-        fallback=engine.fallback,
-        upper=engine.grader.upper,
-        lower=engine.grader.lower,
-        answer_mode="generate",
-        on_ungrounded="flag",
-        quote_threshold=0.9999,  # no grade reaches it: the quotes are withheld
-    )
-    with LiveServer(create_app(generating)) as live:
+    # No grade reaches this quote threshold: the quotes are withheld.
+    with LiveServer(create_app(flagging(engine, quote_threshold=0.9999))) as live:
         open_console(browser, live.url)
         result = stored(live, ask(browser, CORRECT))
         check = result["crag"]["quote_check"]
