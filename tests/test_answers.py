@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 import pytest
 from llama_index.core import VectorStoreIndex
@@ -15,6 +15,7 @@ from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.cli import main
+from llama_index_crag.datasets import Question
 
 from .conftest import ALPHA, BETA, Answering, MarkerScorer, ScriptedLLM, make_engine
 
@@ -384,3 +385,19 @@ def test_the_demo_quotes_by_default_without_a_generator(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "Generator: none needed" in out and out.count("answer (quoted):") == 2
     assert "Miriam Okafor" in out and "answered by quoting 2, by generating 0" in out
+
+
+@pytest.mark.parametrize("quote_threshold", [None, 0.95])
+def test_the_demo_prints_what_the_sources_say_beside_a_flagged_answer(
+    quote_threshold: Optional[float], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llama_index_crag.cli.demo import _print_row
+
+    response = _checked_engine(WRONG, on_ungrounded="flag", quote_threshold=quote_threshold).query(QUESTION)
+    _print_row(Question("q1", QUESTION), str(response), crag(response), ["alpha"])
+    out = capsys.readouterr().out
+    assert "answer (generated, NOT SUPPORTED by its sources" in out and WRONG in out
+    said = out.split("the sources say", 1)[1]
+    assert "3.2 million euros" in said
+    # Quotes the whole-quote check withheld are shown, and said to be weak, with their grade.
+    assert ("weakly" in said and "0.900 together, under the quote threshold 0.950" in said) == bool(quote_threshold)

@@ -143,14 +143,35 @@ def _print_row(q: Question, answer: str, crag: dict, sources: Sequence[str]) -> 
         print(f"  why: {crag['abstain_reason']}")
     if crag["answered_by"] == "extract":
         print("  answer (quoted):")
-        for quote in crag["quotes"]:
-            print(f'    "{" ".join(quote["text"].split())[:300]}" ({quote["source"]})')
+        _print_quotes(crag["quotes"])
     elif crag["answered_by"] == "generate":
         label = "generated" if not check else f"generated, {_described_check(check)}"
         print(f"  answer ({label}): {' '.join(answer.split())[:300]}")
+        if check and check.get("grounded") is not True:
+            _print_evidence(crag)
     else:
         print(f"  answer: {' '.join(answer.split())[:300]}")
     print(f"  sources: {', '.join(sources) or '-'}   crag_ms: {crag['timings_ms']['crag_ms']:.0f}\n")
+
+
+def _print_quotes(quotes: Sequence[dict]) -> None:
+    for quote in quotes:
+        print(f'    "{" ".join(quote["text"].split())[:300]}" ({quote["source"]})')
+
+
+def _print_evidence(crag: dict) -> None:
+    """What the sources say beside a generated answer that is not supported: the quotes, or, where the
+    whole-quote check withheld them, those strips said to be weak evidence."""
+    quoted = (crag.get("quote_check") or {}) if not crag.get("quotes") else {}
+    if crag.get("quotes"):
+        print("  the sources say:")
+        _print_quotes(crag["quotes"])
+    elif quoted.get("passed") is False and quoted.get("withheld"):
+        print(
+            f"  the sources say, weakly (these strips grade {quoted['grade']:.3f} together, under the quote "
+            f"threshold {quoted['threshold']:.3f}):"
+        )
+        _print_quotes(quoted["withheld"])
 
 
 def _described_check(check: dict) -> str:
