@@ -387,11 +387,11 @@ def test_a_quoted_answer_to_a_claim_is_right_only_when_it_quotes_its_rationale()
     rationale = "RESULTS Serum homocysteine fell by 25% with 0.8 mg of folic acid per day."
     claim = EvalQuestion(Question("c1", "Folic acid lowers homocysteine.", relevant_doc_ids=["d1"]), (rationale,))
 
-    def scored(*quotes: str, answered_by: str = "extract") -> Optional[bool]:
+    def scored(*quotes: str, answered_by: str = "extract", question: EvalQuestion = claim) -> Optional[bool]:
         trace = {"abstained": False, "action": "correct", "answered_by": answered_by, "answer_mode": "extract",
                  "quotes": [{"text": q} for q in quotes], "timings_ms": {}}  # fmt: skip
         response = Response("\n".join(quotes), source_nodes=[], metadata={"crag": trace})
-        return make_row("crag", ANSWERABLE, claim, response, 1.0, (0, 0), False, words)["correct"]
+        return make_row("crag", ANSWERABLE, question, response, 1.0, (0, 0), False, words)["correct"]
 
     assert scored("Fasting blood samples were taken after 3 months.", rationale) is True
     assert scored("Serum homocysteine fell by 25% with 0.8 mg") is True  # a part of the sentence, five words or more
@@ -399,10 +399,7 @@ def test_a_quoted_answer_to_a_claim_is_right_only_when_it_quotes_its_rationale()
     assert scored("Serum homocysteine fell") is False  # too short to say which sentence it quotes
     assert scored(rationale, answered_by="generate") is None  # a generated answer to a claim is not scored
     squad = EvalQuestion(Question("q1", "How much did it fall?", answers=["25%"]), ("25%",))
-    trace = {"abstained": False, "action": "correct", "answered_by": "extract", "answer_mode": "extract",
-             "quotes": [{"text": rationale}], "timings_ms": {}}  # fmt: skip
-    response = Response(rationale, source_nodes=[], metadata={"crag": trace})
-    assert make_row("crag", ANSWERABLE, squad, response, 1.0, (0, 0), False, words)["correct"] is True
+    assert scored(rationale, question=squad) is True  # a set with short answers is scored by them
 
 
 class InventingLLM(JudgingLLM):

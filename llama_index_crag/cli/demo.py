@@ -162,16 +162,16 @@ def _print_quotes(quotes: Sequence[dict]) -> None:
 def _print_evidence(crag: dict) -> None:
     """What the sources say beside a generated answer that is not supported: the quotes, or, where the
     whole-quote check withheld them, those strips said to be weak evidence."""
-    quoted = (crag.get("quote_check") or {}) if not crag.get("quotes") else {}
+    quote_check = crag.get("quote_check") or {}
     if crag.get("quotes"):
         print("  the sources say:")
         _print_quotes(crag["quotes"])
-    elif quoted.get("passed") is False and quoted.get("withheld"):
+    elif quote_check.get("passed") is False and quote_check.get("withheld"):
         print(
-            f"  the sources say, weakly (these strips grade {quoted['grade']:.3f} together, under the quote "
-            f"threshold {quoted['threshold']:.3f}):"
+            f"  the sources say, weakly (these strips grade {quote_check['grade']:.3f} together, under the quote "
+            f"threshold {quote_check['threshold']:.3f}):"
         )
-        _print_quotes(quoted["withheld"])
+        _print_quotes(quote_check["withheld"])
 
 
 def _described_check(check: dict) -> str:

@@ -40,6 +40,7 @@ def make_row(
     """
     trace = dict(response.metadata["crag"])  # type: ignore[index]
     abstained = bool(trace["abstained"])
+    quote_check = trace.get("quote_check") or {}
     nodes = [] if abstained else list(response.source_nodes)
     texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
     doc_ids = [n.node.metadata.get("doc_id") for n in nodes]
@@ -66,8 +67,8 @@ def make_row(
         "check_outcome": (trace.get("answer_check") or {}).get("outcome"),
         # The quotes read together and graded: their grade, and whether the engine abstained for withholding them
         # (a flagged generated answer is kept whatever its quotes' grade).
-        "quote_grade": (trace.get("quote_check") or {}).get("grade"),
-        "quotes_withheld": abstained and (trace.get("quote_check") or {}).get("passed") is False,
+        "quote_grade": quote_check.get("grade"),
+        "quotes_withheld": abstained and quote_check.get("passed") is False,
         # A quoted answer needs no generator, so it is scored with generation skipped too.
         "correct": _correct(kind, question, abstained, answer, _quoted(trace))
         if generated or trace.get("answer_mode") == "extract"
