@@ -12,7 +12,7 @@ from llama_index.core.base.response.schema import Response
 from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.llms import LLM, MockLLM
 from llama_index.core.response_synthesizers import get_response_synthesizer
-from llama_index.core.schema import QueryBundle
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag import FallbackRetriever
 from llama_index_crag.cli import main
@@ -380,7 +380,38 @@ def test_truthfulness_rewards_abstaining_over_guessing() -> None:
     # Where the corpus has no answer, abstaining scores 0 and any answer is wrong.
     assert truthfulness(row(OUT_OF_CORPUS, True, True)) == 0
     assert truthfulness(row(UNANSWERABLE, False, False)) == -1
+    assert truthfulness(row(OUT_OF_CORPUS, False, False)) == -1
+    # ... unless another passage held it after all, and the answer found it.
+    assert truthfulness(row(OUT_OF_CORPUS, False, True)) == 1
     assert truthfulness(row(ANSWERABLE, False, None)) is None
+
+
+def test_an_out_of_corpus_question_answered_from_another_passage_that_holds_its_answer_is_right() -> None:
+    # SQuAD repeats facts across an article's paragraphs: hiding the question's own passage left this one.
+    quote = "Unemployment can harm growth not only because it is a waste of resources, but also ..."
+    question = EvalQuestion(
+        Question("q1", "Why does unemployment harm growth?", answers=["waste of resources"], relevant_doc_ids=["d1"]),
+        ("waste of resources",),
+    )
+    unanswerable = EvalQuestion(Question("q2", "Why does unemployment harm trade?", answerable=False), ())
+
+    def row(kind: str, answer: str, question: EvalQuestion = question, abstained: bool = False) -> Dict[str, Any]:
+        trace = {"abstained": abstained, "action": "correct", "answered_by": "extract", "answer_mode": "extract",
+                 "quotes": [{"text": answer}], "timings_ms": {}}  # fmt: skip
+        node = NodeWithScore(node=TextNode(text=answer, metadata={"doc_id": "d2"}), score=1.0)
+        response = Response(answer, source_nodes=[node], metadata={"crag": trace})
+        return make_row("crag", kind, question, response, 1.0, (0, 0), False, words)
+
+    right = row(OUT_OF_CORPUS, quote)
+    assert right["correct"] is True and truthfulness(right) == 1 and right["answer_in_context"] is True
+    wrong = row(OUT_OF_CORPUS, "High and persistent unemployment has a negative effect on long-run growth.")
+    assert wrong["correct"] is False and truthfulness(wrong) == -1 and wrong["answer_in_context"] is False
+    assert row(OUT_OF_CORPUS, "", abstained=True)["correct"] is True
+    # An unanswerable question has no answer to find: the same quote is wrong there.
+    assert row(UNANSWERABLE, quote, question=unanswerable)["correct"] is False
+    figures = summarize([right, wrong], ["crag"])["crag"]
+    assert figures["answered_right_out_of_corpus"] == 0.5 and figures["truthfulness"] == 0.0
+    assert figures["unsupported_answers"] == 0.5
 
 
 def test_a_quoted_answer_to_a_claim_is_right_only_when_it_quotes_its_rationale() -> None:

@@ -14,8 +14,9 @@ from llama_index_crag.core.settings import ON_UNGROUNDED
 from llama_index_crag.evaluation.dataset import EvalQuestion, contains_any, quotes_any
 
 ANSWERABLE, UNANSWERABLE, OUT_OF_CORPUS = "answerable", "unanswerable", "out_of_corpus"
-#: How rows are scored; saved rows scored otherwise are not reused (2: claims' quotes scored by their rationale).
-SCORING = 2
+#: How rows are scored; saved rows scored otherwise are not reused (2: claims' quotes scored by their rationale;
+#: 3: an out-of-corpus question answered from another passage that holds its answer is right).
+SCORING = 3
 #: Stages whose time is the generator's (excluded from pipeline time).
 LLM_STAGES = ("generate", "rewrite")
 LATENCY_STAGES = (
@@ -46,6 +47,8 @@ def make_row(
     doc_ids = [n.node.metadata.get("doc_id") for n in nodes]
     tokens = [count_tokens(t) for t in texts]
     relevant = set(question.question.relevant_doc_ids) if kind == ANSWERABLE else set()
+    # Hiding a question's own passage does not hide a fact the corpus repeats elsewhere (SQuAD's articles do).
+    has_gold = kind in (ANSWERABLE, OUT_OF_CORPUS)
     answer = str(response).strip()
     return {
         "system": system,
@@ -58,7 +61,7 @@ def make_row(
         "context_doc_ids": doc_ids,
         "context_tokens": sum(tokens),
         "relevant_context_tokens": sum(t for t, d in zip(tokens, doc_ids) if d in relevant),
-        "answer_in_context": contains_any(" ".join(texts), question.gold_context) if kind == ANSWERABLE else None,
+        "answer_in_context": contains_any(" ".join(texts), question.gold_context) if has_gold else None,
         "input_tokens": generator_input[0],
         "generator_calls": generator_input[1],
         "judge_calls": trace.get("judge_calls", 0),
@@ -88,13 +91,20 @@ def _correct(
     kind: str, question: EvalQuestion, abstained: bool, answer: str, quotes: Optional[List[str]] = None
 ) -> Optional[bool]:
     """Right or wrong: an answer holds a short answer (SQuAD); where a set has none, only evidence sentences
-    (SciFact's claims), a quoted answer is right when it quotes one of them, and a generated one is not scored."""
-    if kind != ANSWERABLE:
+    (SciFact's claims), a quoted answer is right when it quotes one of them, and a generated one is not scored.
+
+    An unanswerable question is only ever right abstained on. An out-of-corpus one (its own passage hidden) is
+    right abstained on, and right answered only when the answer meets the same test as an answerable one's: the
+    corpus held the fact in another passage, and the answer found it.
+    """
+    if kind == UNANSWERABLE:
         return abstained
     if abstained:
-        return False
-    if not question.answers and quotes is not None:
-        return quotes_any(quotes, question.gold_context)
+        return kind == OUT_OF_CORPUS
+    if not question.answers:
+        if quotes is not None:
+            return quotes_any(quotes, question.gold_context)
+        return None if kind == ANSWERABLE else False
     return contains_any(answer, question.answers)
 
 
@@ -132,6 +142,9 @@ def summarize(rows: Sequence[Dict[str, Any]], systems: Sequence[str]) -> Dict[st
         figures[system] = {
             "queries": {k: len(v) for k, v in kind.items()},
             "abstain_out_of_corpus": _mean([r["abstained"] for r in kind[OUT_OF_CORPUS]]),
+            "answered_right_out_of_corpus": _mean(
+                [None if r["correct"] is None else not r["abstained"] and r["correct"] for r in kind[OUT_OF_CORPUS]]
+            ),
             "abstain_unanswerable": _mean([r["abstained"] for r in kind[UNANSWERABLE]]),
             "false_abstention": _mean([r["abstained"] for r in answerable]),
             "false_abstention_plain_in_context": (
@@ -175,13 +188,14 @@ def summarize(rows: Sequence[Dict[str, Any]], systems: Sequence[str]) -> Dict[st
 def truthfulness(row: Dict[str, Any]) -> Optional[int]:
     """The CRAG benchmark's score of one answer: 1 correct, -1 wrong (any answer where none exists), 0 abstained.
 
-    Its mean rewards abstaining over guessing; ``None`` when the answer was not generated.
+    An out-of-corpus question answered right from another passage (see ``_correct``) scores 1. Its mean rewards
+    abstaining over guessing; ``None`` when the answer was not generated.
     """
     if row["correct"] is None:
         return None
     if row["abstained"]:
         return 0
-    return 1 if row["kind"] == ANSWERABLE and row["correct"] else -1
+    return 1 if row["correct"] else -1
 
 
 def apply_policy(
@@ -215,7 +229,8 @@ def _unsupported(row: Dict[str, Any]) -> Optional[bool]:
         return False
     if row["kind"] == ANSWERABLE:
         return None if row["answer_in_context"] is None else not row["answer_in_context"]
-    return True
+    # An out-of-corpus question's context may hold its fact from another passage (rows scored before that: never).
+    return row["kind"] == UNANSWERABLE or not row.get("answer_in_context")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ Figures = Dict[str, Dict[str, Any]]
 # (label, figure key, format): the rows of the figures table. Arrows say which way is right.
 _ROWS: Sequence[Tuple[str, str, str]] = (
     ("abstention, out of corpus (higher is right)", "abstain_out_of_corpus", "pct"),
+    ("out of corpus, answered right from another passage that holds the answer", "answered_right_out_of_corpus", "pct"),
     ("abstention, unanswerable (higher is right)", "abstain_unanswerable", "pct"),
     ("false abstention, answerable (lower is right)", "false_abstention", "pct"),
     ("false abstention, answerable that plain RAG had in context", "false_abstention_plain_in_context", "pct"),
