@@ -123,7 +123,8 @@ def _answer_note(step: Dict[str, Any], generated: bool = True) -> List[str]:
     if step["answer_mode"] == "extract":
         return [
             "- CRAG answers with the quoted evidence (`answer_mode=extract`): an answer is correct when a quote "
-            "holds a gold answer. The baselines generate."
+            "holds a gold answer (an out-of-corpus question's too: another passage may hold it). The baselines "
+            "generate."
         ]
     check = (
         f"each checked against its sources, an ungrounded one becomes `{step['on_ungrounded']}`"
