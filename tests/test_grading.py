@@ -482,3 +482,39 @@ def test_a_snippet_set_labels_evidence_sentences_by_index(tmp_path: Path) -> Non
     }
     with pytest.raises(ValueError, match="min_words"):
         snippet_set(source, tmp_path / "bad", min_words=0)
+
+
+def _held_out_titles(count: int) -> List[str]:
+    """Article titles whose pairs the stable hash holds out (a tenth of all titles are)."""
+    from llama_index_crag.calibration.labelled import is_held_out
+
+    titles = (f"Article {i}" for i in range(10_000))
+    return [t for t in titles if is_held_out({"source": "s", "title": t, "question": "q"})][:count]
+
+
+def test_grade_pairs_cross_validates_by_article_and_says_so_when_there_is_only_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Per article: two questions, each with the passage that answers it and one that does not.
+    cases = (("gamma", GAMMA.text, 1), ("gamma", BETA.text, 0), ("alpha", ALPHA.text, 1), ("alpha", GAMMA.text, 0))
+
+    def pairs(titles: List[str]) -> Path:
+        rows = [
+            {"question": f"In which city is the {word} office?", "passage": passage, "label": label, "source": "s",
+             "title": title}
+            for title in titles
+            for word, passage, label in cases
+        ]  # fmt: skip
+        path = tmp_path / f"pairs-{len(titles)}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    one, two = _held_out_titles(1), _held_out_titles(2)
+    argv = ["grade-pairs", "--scorers", "evidence", "--no-progress"]
+    assert main([*argv, "--pairs-file", str(pairs(one))]) == 2
+    assert f"all 4 come from 's|title:{one[0]}'" in capsys.readouterr().err
+    out = tmp_path / "two.json"
+    assert main([*argv, "--pairs-file", str(pairs(two)), "--out", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["protocol"] == "2-fold cross-validation by article or question"
+    assert result["figures"]["all"]["pairs"] == 8

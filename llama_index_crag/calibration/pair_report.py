@@ -60,7 +60,15 @@ def pair_figures(
     labels = np.asarray([int(r["label"]) for r in rows])
     result: Dict[str, Any] = {"scorer": scorer.name}
     if isinstance(scorer, EvidenceScorer):
+        groups = sorted({group_of(r) for r in rows})
+        if len(groups) < 2:
+            # A file of one source holds out a tenth of its articles, which can be a single article (SQuAD's half).
+            raise DatasetError(
+                f"cross-validating {scorer.name} by article or question needs held-out pairs from two or more; "
+                f"all {len(rows)} come from {groups[0]!r}. Grade a file with more articles (or sources)"
+            )
         features = np.vstack([scorer.features(r["question"], [r["passage"]]) for r in progress(rows)])
+        folds = min(folds, len(groups))
         fold_of = _folds(rows, folds)
         scores = np.zeros(len(rows))
         for fold in range(folds):
