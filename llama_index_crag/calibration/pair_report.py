@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from llama_index_crag.calibration.fit import group_folds
 from llama_index_crag.calibration.labelled import group_of, is_held_out, read_rows
 from llama_index_crag.calibration.training import auroc
 from llama_index_crag.errors import DatasetError
@@ -31,12 +32,6 @@ def held_out_rows(path: Path | str, limit: Optional[int] = None, seed: int = 0) 
         picked = np.random.default_rng(seed).choice(len(rows), size=limit, replace=False)
         rows = [rows[int(i)] for i in sorted(picked)]
     return rows
-
-
-def _folds(rows: Sequence[Dict[str, Any]], folds: int) -> np.ndarray:
-    groups = sorted({group_of(r) for r in rows})
-    order = {g: i % folds for i, g in enumerate(np.random.default_rng(0).permutation(groups))}
-    return np.asarray([order[group_of(r)] for r in rows])
 
 
 def _by_source(rows: Sequence[Dict[str, Any]], labels: np.ndarray, scores: np.ndarray) -> Dict[str, Any]:
@@ -60,16 +55,16 @@ def pair_figures(
     labels = np.asarray([int(r["label"]) for r in rows])
     result: Dict[str, Any] = {"scorer": scorer.name}
     if isinstance(scorer, EvidenceScorer):
-        groups = sorted({group_of(r) for r in rows})
-        if len(groups) < 2:
+        groups = [group_of(r) for r in rows]
+        if len(set(groups)) < 2:
             # A file of one source holds out a tenth of its articles, which can be a single article (SQuAD's half).
             raise DatasetError(
                 f"cross-validating {scorer.name} by article or question needs held-out pairs from two or more; "
                 f"all {len(rows)} come from {groups[0]!r}. Grade a file with more articles (or sources)"
             )
         features = np.vstack([scorer.features(r["question"], [r["passage"]]) for r in progress(rows)])
-        folds = min(folds, len(groups))
-        fold_of = _folds(rows, folds)
+        folds = min(folds, len(set(groups)))
+        fold_of = group_folds(groups, folds)
         scores = np.zeros(len(rows))
         for fold in range(folds):
             test = fold_of == fold

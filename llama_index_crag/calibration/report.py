@@ -13,6 +13,7 @@ from llama_index_crag.calibration.fit import (
     StripSet,
     fit_strip_threshold,
     fit_thresholds,
+    group_folds,
     labelled_batches,
     labelled_strips,
     score_batches,
@@ -25,14 +26,6 @@ from llama_index_crag.errors import ConfigError, DatasetError
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.scorers.registry import from_spec, report_scorers
-
-
-def _folds(batches: Sequence[Batch], folds: int) -> np.ndarray:
-    """Fold of each batch, by question, so a question's two batches never straddle train and test."""
-    qids = sorted({b.question.qid for b in batches})
-    rng = np.random.default_rng(0)
-    order = {qid: i % folds for i, qid in enumerate(rng.permutation(qids))}
-    return np.asarray([order[b.question.qid] for b in batches])
 
 
 def _evidence_aggregate(
@@ -72,7 +65,7 @@ def cross_validate(
     scored = score_batches(scorer, batches, progress=progress)
     fixed = scored.aggregate()
     kinds = np.asarray([b.kind for b in batches])
-    fold_of = _folds(batches, folds)
+    fold_of = group_folds([b.question.qid for b in batches], folds)  # a question's two batches together
     features = (
         [scorer.features(b.question.question, b.texts) for b in batches] if isinstance(scorer, EvidenceScorer) else []
     )
