@@ -27,13 +27,6 @@ OUT_OF_CORPUS = "out-of-corpus"
 UNANSWERABLE = "unanswerable"
 
 
-def group_folds(groups: Sequence[str], folds: int) -> np.ndarray:
-    """The cross-validation fold of each item, by its group (a question, an article), so that a group never
-    straddles train and test: the sorted groups in a seeded permutation, dealt to the folds in turn."""
-    order = {g: i % folds for i, g in enumerate(np.random.default_rng(0).permutation(sorted(set(groups))))}
-    return np.asarray([order[g] for g in groups])
-
-
 @dataclass
 class Batch:
     """The candidates one question gets, and whether the answer's passage is among them.

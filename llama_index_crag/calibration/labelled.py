@@ -17,7 +17,9 @@ import hashlib
 import json
 import random
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import numpy as np
 
 from llama_index_crag.calibration.training import Pair, PairSet
 from llama_index_crag.errors import DatasetError
@@ -30,6 +32,13 @@ def group_of(row: Mapping[str, Any]) -> str:
     """The group a pair is held out with: its source and article title, else its source and question."""
     source = str(row.get("source", ""))
     return f"{source}|title:{row['title']}" if row.get("title") else f"{source}|q:{row['question']}"
+
+
+def group_folds(groups: Sequence[str], folds: int) -> np.ndarray:
+    """The cross-validation fold of each item, by its group (a question, an article), so that a group never
+    straddles train and test: the sorted groups in a seeded permutation, dealt to the folds in turn."""
+    order = {g: i % folds for i, g in enumerate(np.random.default_rng(0).permutation(sorted(set(groups))))}
+    return np.asarray([order[g] for g in groups])
 
 
 def is_held_out(row: Mapping[str, Any], share: float = HELD_OUT_SHARE) -> bool:

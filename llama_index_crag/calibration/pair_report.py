@@ -15,8 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from llama_index_crag.calibration.fit import group_folds
-from llama_index_crag.calibration.labelled import group_of, is_held_out, read_rows
+from llama_index_crag.calibration.labelled import group_folds, group_of, is_held_out, read_rows
 from llama_index_crag.calibration.training import auroc
 from llama_index_crag.errors import DatasetError
 from llama_index_crag.scorers.base import sigmoid

@@ -13,7 +13,6 @@ from llama_index_crag.calibration.fit import (
     StripSet,
     fit_strip_threshold,
     fit_thresholds,
-    group_folds,
     labelled_batches,
     labelled_strips,
     score_batches,
@@ -21,6 +20,7 @@ from llama_index_crag.calibration.fit import (
     strip_counts,
     write_calibration,
 )
+from llama_index_crag.calibration.labelled import group_folds
 from llama_index_crag.calibration.report_figures import KINDS, Outcome, against_default, figures, plot, table
 from llama_index_crag.errors import ConfigError, DatasetError
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
