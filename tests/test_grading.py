@@ -115,6 +115,24 @@ def test_an_acronym_the_corpus_never_uses_is_found_where_its_expansion_is() -> N
     assert not EvidenceScorer().features("the ceo", ["Chief executive officer."])[0][1]
 
 
+def test_a_misspelt_name_the_corpus_never_uses_is_found_where_it_is_spelt_right() -> None:
+    texts = [d.text for d in load_documents()]
+    scorer = EvidenceScorer(corpus=texts)
+    overview = next(t for t in texts if "Miriam Okafor" in t)
+    others = [t for t in texts if "Okafor" not in t][:4]
+    right = scorer.score_texts("Who is Miriam Okafor?", [overview, *others])
+    misspelt = scorer.score_texts("Who is Miriam Okafro?", [overview, *others])  # two letters swapped
+    assert misspelt[0] > 0.8 and misspelt[0] >= right[0] - 0.02  # found, as the name spelt right is
+    assert max(misspelt[1:]) < 0.5
+    assert "okafro" not in scorer.explain("Who is Miriam Okafro?", [overview])[0]["missing_terms"]
+    # Two edits away is another word, and still counts against the passage.
+    far = scorer.explain("Who is Miriam Ocafro?", [overview])[0]
+    assert "ocafro" in far["missing_terms"] and far["score"] < misspelt[0]
+    # Only words the corpus never uses are read as misspellings: a word it uses elsewhere is another word.
+    elsewhere = EvidenceScorer(corpus=[*texts, "The Okafro is a river."])
+    assert "okafro" in elsewhere.explain("Who is Miriam Okafro?", [overview])[0]["missing_terms"]
+
+
 def test_terms_keep_content_words_in_any_script() -> None:
     assert terms("What was the churn of Harbor Pro in Q1?") == ["churn", "harbor", "pro", "q1"]
     assert terms("Quel est le budget?")[-1] == "budget"

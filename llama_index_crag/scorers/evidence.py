@@ -14,6 +14,8 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer
 from nltk.stem.porter import PorterStemmer
 from numpy.typing import ArrayLike
+from rapidfuzz import process
+from rapidfuzz.distance import DamerauLevenshtein
 
 from llama_index_crag.errors import ConfigError, DatasetError
 from llama_index_crag.scorers.answer_type import answer_type, constraints
@@ -43,6 +45,8 @@ _STOPWORDS = frozenset(
     "called type kind use used".split()
 )
 _WORD = re.compile(r"[^\W_]+", re.UNICODE)
+#: The shortest word stem read as a possible misspelling of a passage's word one edit away ("kelven", "kalven").
+MISSPELT_MIN_LENGTH = 6
 _STEMMER = PorterStemmer()
 
 
@@ -65,22 +69,23 @@ def idf(size: int, document_frequency: int) -> float:
 class EvidenceScorer(RelevanceScorer):
     """Judges whether a passage holds what the query asks, from evidence a small model can see.
 
-    Ten features per (query, passage): bi-encoder cosine (bundled MiniLM); the share
-    of the query's content words (weighted by corpus IDF) found in the passage, in its
-    best single sentence, and among the query's rare words; query bigrams found in the
-    passage; whether the passage holds the kind of answer the question asks for (a
-    length for "how long is", a duration for "how long did it last", a year, a date, a
-    count, an amount, a percentage, a person rather than an organisation, a place) and
-    whether it keeps the question's years, numbers and quoted names or contradicts them
-    with near values (``scorers/answer_type.py``); and, for the
-    cosine and the two word shares, the passage's lead over the mean of the other
-    candidates scored with it (the passage that answers stands out from the rest of
-    what retrieval found; when the answer is not in the index, nothing does). A
-    logistic model combines them. A passage scored alone has no lead (zero), so score
-    a retrieval's candidates together, as the grader does. The weights are learned by
-    ``llama-crag calibrate`` on a labelled set of the user's own data and stored in the
-    calibration file; the defaults were fitted on a public development set (SQuAD 2.0),
-    see docs/grading.md.
+    Ten features per (query, passage): bi-encoder cosine (bundled MiniLM); the share of
+    the query's content words (weighted by corpus IDF) found in the passage, in its best
+    single sentence, and among the query's rare words (a word the corpus never uses is
+    found where a passage spells it out, "CEO", or spells it one edit away, a misspelt
+    "Kelven" for "Kalven"); query bigrams found in the passage; whether the passage
+    holds the kind of answer the question asks for (a length for "how long is", a
+    duration for "how long did it last", a year, a date, a count, an amount, a
+    percentage, a person rather than an organisation, a place) and whether it keeps the
+    question's years, numbers and quoted names or contradicts them with near values
+    (``scorers/answer_type.py``); and, for the cosine and the two word shares, the
+    passage's lead over the mean of the other candidates scored with it (the passage
+    that answers stands out from the rest of what retrieval found; when the answer is
+    not in the index, nothing does). A logistic model combines them. A passage scored
+    alone has no lead (zero), so score a retrieval's candidates together, as the grader
+    does. The weights are learned by ``llama-crag calibrate`` on a labelled set of the
+    user's own data and stored in the calibration file; the defaults were fitted on a
+    public development set (SQuAD 2.0), see docs/grading.md.
 
     Normalisation: the logistic model's probability that the passage is relevant.
 
@@ -169,6 +174,25 @@ class EvidenceScorer(RelevanceScorer):
         self._rare_idf = math.inf if stats["rare"] is None else float(stats["rare"])
         return self
 
+    def _misspelt(self, query_terms: Iterable[str]) -> FrozenSet[str]:
+        """Query words the corpus never uses, long enough to be a misspelling of one it does ("Kelven Report"
+        where the documents say "Kalven Report"): such a word also counts as found where a passage has a word
+        one edit (an insertion, a deletion, a substitution or two letters swapped) away from it."""
+        return frozenset(
+            t for t in query_terms if self._idf and t not in self._idf and len(t) >= MISSPELT_MIN_LENGTH and t.isalpha()
+        )
+
+    def _found(
+        self, words: FrozenSet[str], tokens: Tuple[str, ...], expandable: FrozenSet[str], misspelt: FrozenSet[str]
+    ) -> FrozenSet[str]:
+        """The words of a passage (or sentence) the query's words are matched against, with the query's
+        abbreviations and misspellings that it spells out or spells right."""
+        if expandable:
+            words = words | (expandable & _acronyms(tokens))
+        if misspelt:
+            words = words | {t for t in misspelt if _one_edit_from(t, words)}
+        return words
+
     def _expandable(self, query_terms: Iterable[str]) -> FrozenSet[str]:
         """Query words the corpus never uses that may abbreviate words it does use ("CEO" where the documents
         say "chief executive officer"): such a word also counts as found where its expansion is."""
@@ -181,7 +205,7 @@ class EvidenceScorer(RelevanceScorer):
         cosines = self.bi_encoder.score_texts(query, texts) if texts else []
         query_terms = set(terms(query))
         weight = {t: self._idf.get(t, self._unseen_idf) for t in query_terms}
-        expandable = self._expandable(query_terms)
+        expandable, misspelt = self._expandable(query_terms), self._misspelt(query_terms)
         total = sum(weight.values()) or 1.0
         rare = {t for t, w in weight.items() if w >= self._rare_idf}
         q_tokens = terms(query)
@@ -189,12 +213,11 @@ class EvidenceScorer(RelevanceScorer):
         rows = []
         for text, cosine in zip(texts, cosines):
             view = _passage(text)
-            words = view.words | (expandable & _acronyms(view.tokens)) if expandable else view.words
+            words = self._found(view.words, view.tokens, expandable, misspelt)
             coverage = sum(w for t, w in weight.items() if t in words) / total
             best_sentence, best = text, -1.0
             for sentence, sentence_words, sentence_tokens in view.sentences:
-                if expandable:
-                    sentence_words = sentence_words | (expandable & _acronyms(sentence_tokens))
+                sentence_words = self._found(sentence_words, sentence_tokens, expandable, misspelt)
                 found = sum(w for t, w in weight.items() if t in sentence_words) / total
                 if found > best:
                     best_sentence, best = sentence, found
@@ -233,12 +256,12 @@ class EvidenceScorer(RelevanceScorer):
             return []
         rows = self.features(query, texts)
         query_terms = set(terms(query))
-        expandable = self._expandable(query_terms)
+        expandable, misspelt = self._expandable(query_terms), self._misspelt(query_terms)
         rarest_first = sorted(query_terms, key=lambda t: (-self._idf.get(t, self._unseen_idf), t))
         explanations = []
         for text, row in zip(texts, rows):
             view = _passage(text)
-            words = view.words | (expandable & _acronyms(view.tokens)) if expandable else view.words
+            words = self._found(view.words, view.tokens, expandable, misspelt)
             contributions = row * self.weights[:-1]
             explanations.append(
                 {
@@ -341,3 +364,8 @@ def _acronyms(tokens: Tuple[str, ...]) -> FrozenSet[str]:
     """The initials of every run of 2 to 5 consecutive content words ("chief executive officer" gives "ceo")."""
     initials = "".join(t[0] for t in tokens)
     return frozenset(initials[i : i + n] for n in range(2, 6) for i in range(len(initials) - n + 1))
+
+
+def _one_edit_from(term: str, words: FrozenSet[str]) -> bool:
+    """Whether one of ``words`` is at most one edit from ``term`` (Damerau-Levenshtein)."""
+    return process.extractOne(term, words, scorer=DamerauLevenshtein.distance, score_cutoff=1) is not None
