@@ -9,6 +9,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Te
 from llama_index_crag.answers.extract import EvidenceQuoter
 from llama_index_crag.core.refiner import STRIPS_KEY, StripRefiner, decompose, refers_back
 from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.scorers.evidence import EvidenceScorer
 
 PAGE = (
     "The Kestrel Bridge in Farrow opened in 1887 after nine years of work. "
@@ -37,15 +38,36 @@ def test_sentences_that_refer_back_are_recognised() -> None:
     assert not refers_back("Items in the list are sorted.")
 
 
-def test_a_pronoun_led_strip_carries_the_sentence_before_it_as_context() -> None:
+def test_a_pronoun_led_strip_carries_its_subject_not_the_facts_of_the_sentence_before_it() -> None:
     strips = decompose(PAGE, min_tokens=8)
-    assert [s.context for s in strips] == ["", strips[0].text, ""]
-    assert strips[1].text.startswith("It spans") and strips[1].graded_text.startswith("The Kestrel Bridge")
+    # The names of the sentence before ("The", a stopword, is not one), not its year or its nine years of work.
+    assert [s.context for s in strips] == ["", "Kestrel Bridge Farrow", ""]
+    assert strips[1].graded_text == f"Kestrel Bridge Farrow {strips[1].text}"
+    # The names stand for the subject; a title beside them would lend the strip whatever the title states.
+    assert decompose(PAGE, min_tokens=8, title="Bridges of the Lune")[1].context == "Kestrel Bridge Farrow"
+    unnamed = (
+        "A county council built it over nine years to a local design. "
+        "It spans 312 metres across the estuary and carries the coast road."
+    )
+    assert [s.context for s in decompose(unnamed, 8, "Kestrel Bridge")] == ["", "Kestrel Bridge"]
 
 
 def test_a_pronoun_led_first_strip_carries_the_title() -> None:
     strips = decompose("It spans 312 metres across the Lune estuary and carries the coast road.", 8, "Kestrel Bridge")
     assert strips[0].context == "Kestrel Bridge"
+
+
+def test_a_sentence_that_follows_the_answer_does_not_grade_as_the_answer() -> None:
+    # Read after the whole sentence before it, "It was repainted ..." held "opened in 1887" too and graded as high
+    # as the sentence that answers; read with its subject alone it grades as what it is.
+    page = (
+        "The Kestrel Bridge in Farrow opened to traffic in 1887. "
+        "It was repainted a deep green by the Farrow council in 2019."
+    )
+    scorer = EvidenceScorer(corpus=[page, "The Lune estuary is wide and shallow.", "Farrow has a harbour."])
+    strips = decompose(page, min_tokens=8)
+    answer, follower = scorer.score_texts("When did the Kestrel Bridge open?", [s.graded_text for s in strips])
+    assert answer > 0.5 and follower < answer - 0.3
 
 
 def test_the_refiner_grades_the_strip_with_its_subject_and_keeps_the_original_sentence() -> None:
@@ -56,7 +78,7 @@ def test_the_refiner_grades_the_strip_with_its_subject_and_keeps_the_original_se
     kept = [s for s in refinement.strips if s.kept]
     assert [s.text for s in kept] == ["It spans 312 metres across the Lune estuary and carries the coast road."]
     assert refinement.nodes[0].node.get_content() == kept[0].text
-    assert any(t.startswith("The Kestrel Bridge") and "312 metres" in t for t in scorer.seen)
+    assert any(t.startswith("Kestrel Bridge Farrow It spans 312 metres") for t in scorer.seen)
 
 
 def test_the_quoter_reads_a_refined_strip_with_the_context_the_refiner_read_it_with() -> None:

@@ -14,6 +14,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeRelationship, NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.scorers.evidence import terms
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$")
@@ -28,6 +29,8 @@ _REFERS_BACK = re.compile(
     r"|game|agency|department|court|law|act|report|plan|policy|feature|release|version|tool|app|outage|incident))\b",
     re.IGNORECASE,
 )
+#: A capitalised word: a name, or part of one, or a code ("Kestrel", "Farrow", "EU-2", "Q3").
+_CAPITALISED = re.compile(r"\b[A-Z][\w'’-]*")
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,9 @@ class Strip:
     """One knowledge strip: a sentence window, or a whole table or code block.
 
     ``context`` is what a strip that refers back ("It spans 312 metres ...") needs to be
-    read: the sentence before it, or the passage's title when it opens the passage. It is
-    graded with the strip (``graded_text``) but never kept: the kept text is ``text``.
+    read: its subject (``subject_of``: the names in the strip before it, or the
+    passage's title). It is graded with the strip (``graded_text``) but never kept: the kept
+    text is ``text``.
     """
 
     text: str
@@ -51,7 +55,7 @@ class Strip:
 
 #: Metadata of a recomposed node: its kept strips as they were graded (text, context and score, as JSON), so that
 #: a later step (the quoter) takes them as the refiner graded them instead of splitting the recomposed text again,
-#: which would lose the sentence a pronoun-led strip was read with, and scoring them again in another batch, which
+#: which would lose the subject a pronoun-led strip was read with, and scoring them again in another batch, which
 #: changes a score whose features are relative to the batch (the evidence scorer's).
 STRIPS_KEY = "crag_strips"
 
@@ -103,8 +107,8 @@ def decompose(text: str, min_tokens: int, title: str = "") -> List[Strip]:
     Prose is split into sentences, and a sentence shorter than ``min_tokens`` words is
     merged with its neighbour, so no strip is too short to support a citation. A chunk
     that yields one strip comes back whole. A prose strip that refers back
-    (``refers_back``) carries the strip before it as its ``context``, or, opening the
-    chunk, the ``title`` (a document's or page's title) where there is one.
+    (``refers_back``) carries its subject as its ``context`` (``subject_of``: the
+    names in the strip before it, or the ``title``, a document's or page's).
     """
     strips: List[Strip] = []
     prose: List[str] = []
@@ -133,12 +137,27 @@ def decompose(text: str, min_tokens: int, title: str = "") -> List[Strip]:
     return _with_subjects(strips, title.strip())
 
 
+def subject_of(title: str, before: str) -> str:
+    """What a strip that refers back is graded with: the names and codes in the strip ``before`` it ("Kestrel
+    Bridge Farrow" for "It spans 312 metres ..."), or, where that names none or the strip opens the passage, the
+    passage's ``title``.
+
+    Not the strip before it whole: its own facts would then be read as the strip's, and a sentence that only
+    follows the answer ("It was repainted in 2019." after "The bridge opened in 1887.") would grade as the
+    answer does. Nor the title beside the names: a paper's title states its finding, and every strip that refers
+    back would then grade as holding it (``benchmarks/strip_subjects.py`` and docs/grading.md measure the
+    readings)."""
+    names = [w for w in _CAPITALISED.findall(before) if terms(w)]
+    return " ".join(dict.fromkeys(names)) or title.strip()
+
+
 def _with_subjects(strips: List[Strip], title: str) -> List[Strip]:
     out: List[Strip] = []
     for i, strip in enumerate(strips):
         if not strip.whole_block and refers_back(strip.text):
-            before = strips[i - 1].text if i and not strips[i - 1].whole_block else title
-            strip = Strip(strip.text, context=before) if before else strip
+            before = strips[i - 1].text if i and not strips[i - 1].whole_block else ""
+            subject = subject_of(title, before)
+            strip = Strip(strip.text, context=subject) if subject else strip
         out.append(strip)
     return out
 
