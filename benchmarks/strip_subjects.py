@@ -23,20 +23,28 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from sklearn.metrics import roc_auc_score
 
-from llama_index_crag.core.refiner import Strip, decompose, subject_of
+from llama_index_crag.core.refiner import Strip, decompose, refers_back, subject_of
 from llama_index_crag.scorers.evidence import EvidenceScorer
+
+
+def _back(strip: Strip) -> bool:
+    return not strip.whole_block and refers_back(strip.text)
+
 
 #: Each reading of a strip, given the strip, the strip before it ("" for the first) and the paragraph's title.
 READINGS: Dict[str, Callable[[Strip, str, str], str]] = {
     "alone": lambda strip, before, title: strip.text,
     "after the whole strip before it": lambda strip, before, title: (
-        f"{before or title} {strip.text}" if strip.context else strip.text
+        f"{before or title} {strip.text}" if _back(strip) else strip.text
     ),
     "with the title and the names in the strip before it": lambda strip, before, title: (
-        f"{title} {subject_of('', before)} {strip.text}" if strip.context else strip.text
+        f"{title} {subject_of('', before)} {strip.text}" if _back(strip) else strip.text
     ),
-    "with its subject: those names, or the title (shipped)": lambda strip, before, title: (
-        f"{subject_of(title, before)} {strip.text}" if strip.context else strip.text
+    "with those names, or the title where they are none": lambda strip, before, title: (
+        f"{subject_of('', before) or title} {strip.text}" if _back(strip) else strip.text
+    ),
+    "with its subject: those names, or the title opening the passage (shipped)": lambda strip, before, title: (
+        f"{subject_of(title, before)} {strip.text}" if _back(strip) else strip.text
     ),
 }
 
@@ -103,7 +111,7 @@ def measure(
             scores = scorer.score_texts(question, texts)
             best += labels[max(range(len(scores)), key=scores.__getitem__)] == 1
             for strip, label, score in zip(strips, labels, scores):
-                for part in ("back", "all") if strip.context else ("all",):
+                for part in ("back", "all") if _back(strip) else ("all",):
                     if label is not None:
                         scored[part][0].append(label)
                         scored[part][1].append(score)

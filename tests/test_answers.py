@@ -118,15 +118,18 @@ def test_extract_mode_quotes_the_best_strips_with_their_source_and_generates_not
 def test_quotes_on_the_subject_that_do_not_answer_are_withheld_and_the_engine_abstains(
     sample_index: VectorStoreIndex,
 ) -> None:
-    # The Q4 2023 results passage is retrieved and graded, and its best strip that names no other quarter is about
-    # free cash flow: on the subject, clearing the strip threshold, and no answer to a question about NRR.
-    question = "What NRR did the company report for Q4 2023?"
-    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, answer_mode="extract", fallback_sources=("bm25",))
+    # The full-year results passage is retrieved, and its best strip that states fiscal year 2023 gives revenue:
+    # on the subject, clearing the strip threshold, and no answer to a question about net income. Read as a
+    # passage it grades about 0.5, above `lower`, so the bar here is raised to make the check act on it.
+    question = "What net income did the company report for fiscal year 2023?"
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, answer_mode="extract", fallback_sources=("bm25",), quote_threshold=0.9
+    )
     trace = crag(engine.query(question))
     check = trace["quote_check"]
     assert trace["abstained"] and trace["answered_by"] == "abstain" and trace["quotes"] == []
-    assert not check["passed"] and check["grade"] < check["threshold"] == trace["thresholds"]["lower"]
-    assert any("free cash flow" in q["text"] for q in check["withheld"])
+    assert not check["passed"] and check["grade"] < check["threshold"] == 0.9
+    assert any("Total revenue for fiscal year 2023" in q["text"] for q in check["withheld"])
     assert "under the quote threshold" in trace["abstain_reason"]
     # The check is what withheld them: turned off, the same strips are the answer.
     off = CorrectiveQueryEngine.from_defaults(
@@ -135,6 +138,15 @@ def test_quotes_on_the_subject_that_do_not_answer_are_withheld_and_the_engine_ab
     trace = crag(off.query(question))
     assert trace["answered_by"] == "extract" and trace["quote_check"] is None
     assert [q["text"] for q in trace["quotes"]] == [q["text"] for q in check["withheld"]]
+
+
+def test_the_quote_threshold_is_lower_by_default(sample_index: VectorStoreIndex) -> None:
+    trace = crag(
+        CorrectiveQueryEngine.from_defaults(index=sample_index, answer_mode="extract").query(
+            "What net income did the company report for fiscal year 2023?"
+        )
+    )
+    assert trace["quote_check"]["threshold"] == trace["thresholds"]["lower"]
 
 
 @pytest.mark.parametrize(

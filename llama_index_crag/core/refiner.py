@@ -39,7 +39,7 @@ class Strip:
 
     ``context`` is what a strip that refers back ("It spans 312 metres ...") needs to be
     read: its subject (``subject_of``: the names in the strip before it, or the
-    passage's title). It is graded with the strip (``graded_text``) but never kept: the kept
+    passage's title for the strip that opens it). It is graded with the strip (``graded_text``) but never kept: the kept
     text is ``text``.
     """
 
@@ -108,7 +108,7 @@ def decompose(text: str, min_tokens: int, title: str = "") -> List[Strip]:
     merged with its neighbour, so no strip is too short to support a citation. A chunk
     that yields one strip comes back whole. A prose strip that refers back
     (``refers_back``) carries its subject as its ``context`` (``subject_of``: the
-    names in the strip before it, or the ``title``, a document's or page's).
+    names in the strip before it, or, opening the chunk, the ``title``, a document's or page's).
     """
     strips: List[Strip] = []
     prose: List[str] = []
@@ -139,16 +139,18 @@ def decompose(text: str, min_tokens: int, title: str = "") -> List[Strip]:
 
 def subject_of(title: str, before: str) -> str:
     """What a strip that refers back is graded with: the names and codes in the strip ``before`` it ("Kestrel
-    Bridge Farrow" for "It spans 312 metres ..."), or, where that names none or the strip opens the passage, the
-    passage's ``title``.
+    Bridge Farrow" for "It spans 312 metres ..."), or, for the strip that opens a passage, the passage's
+    ``title``.
 
     Not the strip before it whole: its own facts would then be read as the strip's, and a sentence that only
     follows the answer ("It was repainted in 2019." after "The bridge opened in 1887.") would grade as the
-    answer does. Nor the title beside the names: a paper's title states its finding, and every strip that refers
-    back would then grade as holding it (``benchmarks/strip_subjects.py`` and docs/grading.md measure the
-    readings)."""
-    names = [w for w in _CAPITALISED.findall(before) if terms(w)]
-    return " ".join(dict.fromkeys(names)) or title.strip()
+    answer does. Nor the title where a strip before it names nothing: a title holds the words of every question
+    about its document ("Customer Onboarding: Installing the Tracking SDK"; a paper's title states its finding),
+    and only the strips that refer back would be read with them (``benchmarks/strip_subjects.py`` and
+    docs/grading.md measure the readings)."""
+    if not before:
+        return title.strip()
+    return " ".join(dict.fromkeys(w for w in _CAPITALISED.findall(before) if terms(w)))
 
 
 def _with_subjects(strips: List[Strip], title: str) -> List[Strip]:
