@@ -39,8 +39,8 @@ class Strip:
 
     ``context`` is what a strip that refers back ("It spans 312 metres ...") needs to be
     read: its subject (``subject_of``: the names in the strip before it, or the
-    passage's title for the strip that opens it). It is graded with the strip (``graded_text``) but never kept: the kept
-    text is ``text``.
+    passage's title for the strip that opens it). It is graded with the strip
+    (``graded_text``) but never kept: the kept text is ``text``.
     """
 
     text: str
@@ -139,8 +139,8 @@ def decompose(text: str, min_tokens: int, title: str = "") -> List[Strip]:
 
 def subject_of(title: str, before: str) -> str:
     """What a strip that refers back is graded with: the names and codes in the strip ``before`` it ("Kestrel
-    Bridge Farrow" for "It spans 312 metres ..."), or, for the strip that opens a passage, the passage's
-    ``title``.
+    Bridge Farrow" for "It spans 312 metres ..."), or, for the strip that opens a passage or follows a table or
+    code block (``before`` empty), the passage's ``title``.
 
     Not the strip before it whole: its own facts would then be read as the strip's, and a sentence that only
     follows the answer ("It was repainted in 2019." after "The bridge opened in 1887.") would grade as the
