@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from llama_index_crag.scorers.answer_type import answer_type, asked_kinds, constraints
+from llama_index_crag.scorers.answer_type import answer_type, asked_kinds, constraints, turned_round
 from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer
 
 BRIDGE_DATE = "The Kestrel Bridge in Farrow opened in 1887."
@@ -75,6 +77,59 @@ def test_a_year_asked_and_another_year_present_contradicts_the_question() -> Non
     assert constraints("What is the cooperative's revenue?", "Revenue in 2021 was 4 million.") == 0.5
 
 
+COMMITTEES = "The members of each committee reflect the balance of parties across Parliament."
+
+
+def test_a_negated_question_is_not_answered_by_a_passage_that_states_the_thing() -> None:
+    # SQuAD 2.0's annotators made unanswerable questions so: "not" put into an answerable one.
+    question = "Which committees do not reflect the balance of parties across Parliament?"
+    assert turned_round(question, COMMITTEES, COMMITTEES) == "the question is negated and its passage states it"
+    assert turned_round("Which committees reflect the balance of parties?", COMMITTEES, COMMITTEES) is None
+
+
+@pytest.mark.parametrize(
+    "sentence",
+    [
+        "Two committees do not reflect the balance of parties across Parliament.",
+        "The Scottish Parliament is unable to legislate on such issues.",
+        "The crown's refusal to allow non-Catholics to settle slowed the colony's growth.",
+        "The Wankel engine is a pistonless rotary engine.",
+    ],
+)
+def test_a_negated_question_is_answered_by_a_passage_that_negates_in_its_own_words(sentence: str) -> None:
+    assert turned_round("What was not allowed?", sentence, sentence) is None
+
+
+@pytest.mark.parametrize(
+    "question",
+    [
+        "Who starred in No One Would Tell?",  # a title, not a negation
+        "What does Mighty No. 9 resemble?",
+        "Did the plan ship, or not?",
+        "What may or may not make a Turing machine more powerful?",
+        "Which band not only toured but recorded in 1976?",
+    ],
+)
+def test_what_only_looks_like_a_negation_turns_nothing_round(question: str) -> None:
+    sentence = "The band toured Europe and recorded an album in 1976."
+    assert turned_round(question, sentence, sentence) is None
+
+
+def test_an_opposite_word_turns_the_question_round_only_where_the_passage_lacks_the_word() -> None:
+    lower = "Antibody production is lower than normal in newborns."
+    assert turned_round("When is antibody production higher than normal?", lower, lower) == (
+        'the question says "higher", its passage says "lower"'
+    )
+    both = f"{lower} It is higher than normal after a vaccine."
+    assert turned_round("When is antibody production higher than normal?", lower, both) is None
+    # "At least" is an idiom, not the opposite of "the most".
+    arms = "The Rhine formed at least two arms."
+    assert turned_round("What is the most common arm of the Rhine?", arms, arms) is None
+    # Capitalised, a direction is part of a name: "South America" does not turn "north" round.
+    south = "Huguenot refugees settled in South Africa."
+    assert turned_round("Where in the north did Huguenot refugees settle?", south, south) is None
+
+
 def test_codes_and_versions_are_not_numbers_to_keep() -> None:
     # "EU-2" and "Q3" name things; a passage about the EU-2 outage that gives its length does not contradict "2".
     assert constraints("How long did the EU-2 outage in Q3 last?", "The EU-2 outage lasted 4 hours.") == 0.5
@@ -104,3 +159,25 @@ def test_a_time_of_day_answers_a_when_question(passage: str) -> None:
 
     assert PATTERNS["date"].search(passage)
     assert not PATTERNS["date"].search("The harbor has six berths and a crane.")
+
+
+def test_a_claim_is_not_turned_round_by_the_passage_that_refutes_it() -> None:
+    # The passage that says the opposite of a claim is the evidence a user checking the claim needs.
+    sentence = "Folic acid supplements lowered the rate of kidney disease."
+    assert turned_round("Folic acid supplements do not lower the rate of kidney disease.", sentence, sentence) is None
+    assert turned_round("Which supplements do not lower the rate of kidney disease?", sentence, sentence)
+    # A claim's "which" or "when" opens a clause; it does not make the claim a question.
+    claim = "Folic acid, which is a vitamin, does not lower the rate of kidney disease when taken daily."
+    assert turned_round(claim, sentence, sentence) is None
+    assert turned_round("Folic acid starred in what film that is not a comedy", sentence, sentence)
+
+
+def test_the_evidence_scorer_grades_down_a_passage_that_turns_the_question_round() -> None:
+    scorer = EvidenceScorer(corpus=[COMMITTEES, "Parliament meets in Edinburgh.", "Committees meet weekly."])
+    negated = "Which committees do not reflect the balance of parties across Parliament?"
+    plain = "Which committees reflect the balance of parties across Parliament?"
+    turned = FEATURES.index("turned_round")
+    assert scorer.features(negated, [COMMITTEES])[0, turned] == 1.0
+    assert scorer.features(plain, [COMMITTEES])[0, turned] == 0.0
+    logits = [math.log(p / (1 - p)) for p in (scorer.score_texts(q, [COMMITTEES])[0] for q in (negated, plain))]
+    assert logits[0] < logits[1] - 2.0  # the shipped weight of turned_round, not a rounding of the others

@@ -229,20 +229,34 @@ def test_the_evidence_scorer_explains_each_score_by_its_parts() -> None:
 
 
 def test_evidence_scorer_learns_weights_and_round_trips_them() -> None:
+    from llama_index_crag.scorers.evidence import FEATURES
+
     scorer = EvidenceScorer()
-    x = np.array(
-        [
-            [0.9, 1, 1, 1, 1, 1, 0.6, 0.8, 0.8],
-            [0.8, 0.9, 0.9, 1, 0.5, 1, 0.5, 0.7, 0.7],
-            [0.2, 0.1, 0.1, 0, 0, 0, -0.4, -0.6, -0.6],
-            [0.3, 0.2, 0.1, 0, 0, 0.5, -0.3, -0.5, -0.6],
-        ]
-    )
-    state = scorer.fit(x, [True, True, False, False]).state()
+    x = np.random.default_rng(0).uniform(0.0, 1.0, (8, len(FEATURES)))
+    x[:4] += 0.5  # the relevant rows stand out on every feature
+    state = scorer.fit(x, [True] * 4 + [False] * 4).state()
+    assert len(state["weights"]) == len(FEATURES) + 1
     other = EvidenceScorer().load_state(state)
     assert other.weights.tolist() == pytest.approx(state["weights"])
     with pytest.raises(ValueError, match="features"):
         EvidenceScorer().load_state({"features": ["cosine"], "weights": [1.0, 0.0]})
+
+
+def test_a_calibration_fitted_before_a_feature_was_added_weighs_it_zero() -> None:
+    # Calibration files written before "turned_round" existed still load, and score as they were fitted.
+    from llama_index_crag.scorers.evidence import ADDED_FEATURES, FEATURES
+
+    older = [name for name in FEATURES if name not in ADDED_FEATURES]
+    weights = [float(i + 1) for i in range(len(older))] + [-3.0]
+    scorer = EvidenceScorer().load_state({"features": older, "weights": weights})
+    by_name = dict(zip(FEATURES, scorer.weights))
+    assert all(by_name[name] == 0.0 for name in ADDED_FEATURES)
+    assert [by_name[name] for name in older] == weights[:-1] and scorer.weights[-1] == -3.0
+    # Any other difference in the features is still refused: the weights would mean something else.
+    with pytest.raises(ValueError, match="features"):
+        EvidenceScorer().load_state({"features": list(reversed(older)), "weights": weights})
+    with pytest.raises(ValueError, match="features"):
+        EvidenceScorer().load_state({"features": older, "weights": weights[:-1]})
 
 
 def test_llm_judge_grades_all_passages_in_one_structured_call() -> None:

@@ -152,6 +152,88 @@ def _values(text: str) -> Dict[str, set[str]]:
     return found
 
 
+#: Words that negate. A question negated ("What did the treaty *not* cover?") asks about what a passage
+#: states as not so; the passage's own negations are broader ("unable", "refused", "without", "non-Catholics").
+_QUESTION_NEGATION = frozenset("not never no cannot none nobody nothing neither nor".split())
+_PASSAGE_NEGATION = re.compile(
+    r"\b(?:not|never|no|none|nobody|nothing|neither|nor|cannot|without|unable|except|excluding|absent|instead"
+    r"|fail(?:s|ed|ing|ure)?|lack(?:s|ed|ing)?|refus\w*|den(?:y|ies|ied)|prevent\w*|prohibit\w*|ban(?:s|ned)?"
+    r"|forb[ai]d\w*|non\w+|\w+n't|\w+less)\b",
+    re.IGNORECASE,
+)
+#: "whether or not", "may or may not", "not only ... but": negations that do not turn the question round.
+_NOT_A_NEGATION = re.compile(r"\bor not\b|\bor (?:may|might|can|could|did|do|does|was|is) not\b|\bnot only\b")
+#: Pairs of opposite words. A question that asks about the "largest" is not answered by a passage that says
+#: only "smallest" where the question's own word is nowhere. Not the pairs a passage turns round in its own
+#: words as often as not: "B after A" for "A before B", "X lost to Y" for who won, "how long" for a short one.
+_OPPOSITES = tuple(
+    pair.split("/")
+    for pair in (
+        "more/less more/fewer most/least higher/lower highest/lowest largest/smallest larger/smaller biggest/smallest"
+        " longest/shortest longer/shorter earliest/latest first/last maximum/minimum"
+        " increase/decrease increased/decreased increases/decreases increase/reduce"
+        " inside/outside above/below majority/minority best/worst better/worse strong/weak"
+        " stronger/weaker weakest/strongest public/private internal/external imports/exports import/export"
+        " accepted/rejected allowed/banned legal/illegal successful/unsuccessful rich/poor"
+        " north/south east/west northern/southern eastern/western positive/negative upper/lower"
+        " oldest/newest older/newer youngest/oldest"
+    ).split()
+)
+OPPOSITE: Dict[str, FrozenSet[str]] = {
+    w: frozenset(b for a, b in _OPPOSITES if a == w) | frozenset(a for a, b in _OPPOSITES if b == w)
+    for pair in _OPPOSITES
+    for w in pair
+}
+#: A word written in lower case: "No" and "North" in "No One Would Tell", "Mighty No. 9" and "North America"
+#: are names, not a negation or a direction.
+_LOWER_WORD = re.compile(r"(?<![\w'’-])[a-z]+(?:n't)?(?![\w'’-])")
+
+
+#: Idioms whose words are no polarity: "at least two arms" says nothing against "the most".
+_IDIOMS = re.compile(r"\bat (?:least|most)\b|\bmore or less\b|\b(?:no|not) (?:more|less|fewer) than\b")
+
+
+def _lower_words(text: str) -> set[str]:
+    return set(_LOWER_WORD.findall(_IDIOMS.sub(" ", text.replace("’", "'"))))
+
+
+#: A query that asks: a question mark anywhere ("They did not allow which country?"), "what" anywhere ("Space
+#: Island One starred what actress"), or a question word or an auxiliary first ("What was developed for the Air
+#: Force"). A claim's "which", "where" or "when" opens a clause; it does not ask.
+_ASKS = re.compile(
+    r"\?|\bwhat\b|^\W*(?:what|which|who|whom|whose|when|where|why|how|is|are|was|were|do|does|did|can|could|will|would"
+    r"|should|has|have|had)\b",
+    re.IGNORECASE,
+)
+
+
+def turned_round(question: str, best_sentence: str, passage: str) -> Optional[str]:
+    """What in the passage turns the question round, or None.
+
+    A negated question ("Which committees do *not* reflect the balance of parties?")
+    whose best sentence negates nothing ("the members on each committee reflect the
+    balance of parties"); or a question's word whose opposite the best sentence holds
+    where the passage never uses the word itself ("When is antibody production
+    *higher*?" against "... production is *lower* ..."). Both are how a person makes a
+    question the passage cannot answer out of one it can, with every other word kept.
+    A claim is not turned round: a passage that says the opposite of a claim is the
+    evidence that refutes it, which is what a user checking the claim needs.
+    """
+    if not _ASKS.search(question):
+        return None
+    asked = _lower_words(question)
+    negated = bool(asked & _QUESTION_NEGATION) or any(w.endswith("n't") for w in asked)
+    if negated and not _NOT_A_NEGATION.search(question.lower()):
+        if not _PASSAGE_NEGATION.search(best_sentence):
+            return "the question is negated and its passage states it"
+    held, best = set(re.findall(r"[a-z]+", passage.lower())), _lower_words(best_sentence)
+    for word in sorted(asked & OPPOSITE.keys()):
+        opposite = OPPOSITE[word] & best
+        if opposite and word not in held:
+            return f'the question says "{word}", its passage says "{sorted(opposite)[0]}"'
+    return None
+
+
 def constraints(question: str, passage: str) -> float:
     """Whether the passage keeps the question's years, numbers and quoted names.
 

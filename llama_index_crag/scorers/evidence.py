@@ -18,7 +18,7 @@ from rapidfuzz import process
 from rapidfuzz.distance import DamerauLevenshtein
 
 from llama_index_crag.errors import ConfigError, DatasetError
-from llama_index_crag.scorers.answer_type import answer_type, constraints
+from llama_index_crag.scorers.answer_type import answer_type, constraints, turned_round
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
 
@@ -30,10 +30,14 @@ FEATURES = (
     "bigram_coverage",
     "answer_type",
     "constraints",
+    "turned_round",
     "cosine_lift",
     "coverage_lift",
     "sentence_coverage_lift",
 )
+#: Features added since calibration files were first written. A file fitted without one weighs it 0, which is
+#: the model it was fitted as, so an older calibration still loads and scores as it did.
+ADDED_FEATURES = ("turned_round",)
 #: The features whose lift over the other candidates of the same batch is a feature too.
 _LIFTED = (0, 1, 2)
 
@@ -69,7 +73,7 @@ def idf(size: int, document_frequency: int) -> float:
 class EvidenceScorer(RelevanceScorer):
     """Judges whether a passage holds what the query asks, from evidence a small model can see.
 
-    Ten features per (query, passage): bi-encoder cosine (bundled MiniLM); the share of
+    Eleven features per (query, passage): bi-encoder cosine (bundled MiniLM); the share of
     the query's content words (weighted by corpus IDF) found in the passage, in its best
     single sentence, and among the query's rare words (a word the corpus never uses is
     found where a passage spells it out, "CEO", or spells it one edit away, a misspelt
@@ -77,15 +81,17 @@ class EvidenceScorer(RelevanceScorer):
     holds the kind of answer the question asks for (a length for "how long is", a
     duration for "how long did it last", a year, a date, a count, an amount, a
     percentage, a person rather than an organisation, a place) and whether it keeps the
-    question's years, numbers and quoted names or contradicts them with near values
-    (``scorers/answer_type.py``); and, for the cosine and the two word shares, the
-    passage's lead over the mean of the other candidates scored with it (the passage
-    that answers stands out from the rest of what retrieval found; when the answer is
-    not in the index, nothing does). A logistic model combines them. A passage scored
-    alone has no lead (zero), so score a retrieval's candidates together, as the grader
-    does. The weights are learned by ``llama-crag calibrate`` on a labelled set of the
-    user's own data and stored in the calibration file; the defaults were fitted on a
-    public development set (SQuAD 2.0), see docs/grading.md.
+    question's years, numbers and quoted names or contradicts them with near values;
+    whether the passage turns the question round (a negated question whose best
+    sentence negates nothing, an opposite word: ``scorers/answer_type.py``); and, for
+    the cosine and the two word shares, the passage's lead over the mean of the other
+    candidates scored with it (the passage that answers stands out from the rest of
+    what retrieval found; when the answer is not in the index, nothing does). A
+    logistic model combines them. A passage scored alone has no lead (zero), so score
+    a retrieval's candidates together, as the grader does. The weights are learned by
+    ``llama-crag calibrate`` on a labelled set of the user's own data and stored in the
+    calibration file; the defaults were fitted on a public development set (SQuAD 2.0),
+    see docs/grading.md.
 
     Normalisation: the logistic model's probability that the passage is relevant.
 
@@ -96,9 +102,10 @@ class EvidenceScorer(RelevanceScorer):
             every word weighs the same until ``fit_corpus`` is called.
     """
 
-    normalization = "logistic-model probability over ten evidence features"
+    normalization = "logistic-model probability over eleven evidence features"
     feature_names: Tuple[str, ...] = FEATURES
-    #: Fitted by ``llama-crag calibrate --dataset squad2`` (all 266 questions); calibrate on your data.
+    #: Fitted by ``llama-crag calibrate --dataset squad2`` (all 266 questions); calibrate on your data. The weight
+    #: of ``turned_round`` is the one the same command fitted beside the others when it was added (2026-12-03).
     DEFAULT_WEIGHTS = (
         4.575749,
         1.601499,
@@ -107,6 +114,7 @@ class EvidenceScorer(RelevanceScorer):
         -1.068368,
         0.581652,
         0.235441,
+        -2.902797,
         4.250851,
         1.732976,
         1.96108,
@@ -232,6 +240,7 @@ class EvidenceScorer(RelevanceScorer):
                     bigrams,
                     answer_type(query, best_sentence, text),
                     constraints(query, text),
+                    0.0 if turned_round(query, best_sentence, text) is None else 1.0,
                 ]
             )
         own = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(FEATURES) - len(_LIFTED))
@@ -292,14 +301,24 @@ class EvidenceScorer(RelevanceScorer):
 
     def load_state(self, state: Mapping[str, Any]) -> EvidenceScorer:
         """Load weights written by ``state`` (refusing a different feature set)."""
-        if list(state.get("features", [])) != list(self.feature_names):
-            raise ConfigError(
-                f"calibration weights are for features {state.get('features')}, not {list(self.feature_names)}"
-            )
-        self.weights = np.asarray(state["weights"], dtype=np.float64)
+        self.weights = align_weights(state.get("features", []), state["weights"], self.feature_names)
         if "rival_means" in state:
             self.rival_means = np.asarray(state["rival_means"], dtype=np.float64)
         return self
+
+
+def align_weights(fitted_for: Sequence[str], weights: Sequence[float], names: Sequence[str]) -> np.ndarray:
+    """Weights fitted for the features ``fitted_for`` (then the bias), laid out for ``names``.
+
+    A feature of ``ADDED_FEATURES`` that the fit did not have weighs 0; any other
+    difference in the features is refused, since the weights would mean something else.
+    """
+    fitted_for = list(fitted_for)
+    expected = [n for n in names if n not in ADDED_FEATURES or n in fitted_for]
+    if fitted_for != expected or len(weights) != len(fitted_for) + 1:
+        raise ConfigError(f"calibration weights are for features {fitted_for}, not {list(names)}")
+    by_name = dict(zip(fitted_for, weights))
+    return np.asarray([by_name.get(n, 0.0) for n in names] + [weights[-1]], dtype=np.float64)
 
 
 def fit_logistic(features: np.ndarray, labels: ArrayLike) -> np.ndarray:

@@ -22,7 +22,7 @@ from llama_index_crag.calibration.reader_model import (
     file_sha256,
 )
 from llama_index_crag.scorers.base import sigmoid
-from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer, fit_logistic
+from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer, align_weights, fit_logistic
 
 READER_FEATURES = FEATURES + ("reader",)
 #: Words per window a passage is read in; a candidate scores as the best of its windows.
@@ -93,13 +93,13 @@ def windows(text: str, words: int = WINDOW_WORDS, stride: int = WINDOW_STRIDE) -
 
 
 class ReaderScorer(EvidenceScorer):
-    """Reads whether a passage answers: a trained cross-encoder's logit stacked with the nine evidence features.
+    """Reads whether a passage answers: a trained cross-encoder's logit stacked with the eleven evidence features.
 
     The reader (``llama-crag train-grader``) is the bundled MiniLM fine-tuned on
     question-passage pairs made from the user's own corpus, with on-topic negatives
     (the answering sentence removed, a kept name or date swapped, sibling windows).
     A candidate's reader feature is the best logit over its word windows. One logistic
-    model over the ten features gives the score; ``llama-crag calibrate`` fits it.
+    model over the twelve features gives the score; ``llama-crag calibrate`` fits it.
 
     It runs as a cascade: the evidence features alone (their own logistic model) score
     first, and a batch whose best evidence score is below ``settle_below`` or at least
@@ -233,7 +233,8 @@ class ReaderScorer(EvidenceScorer):
 
     def load_state(self, state: Mapping[str, Any]) -> ReaderScorer:
         super().load_state(state)
-        self.evidence_weights = np.asarray(state["evidence_weights"], dtype=np.float64)
+        fitted_for = [f for f in state.get("features", []) if f != "reader"]
+        self.evidence_weights = align_weights(fitted_for, state["evidence_weights"], FEATURES)
         self.settle_below = float(state["settle_below"])
         self.settle_above = float(state["settle_above"])
         return self
