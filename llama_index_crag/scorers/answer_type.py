@@ -201,7 +201,7 @@ def _lower_words(text: str) -> set[str]:
 #: Island One starred what actress"), or a question word or an auxiliary first ("What was developed for the Air
 #: Force"). A claim's "which", "where" or "when" opens a clause; it does not ask.
 _ASKS = re.compile(
-    r"\?|\bwhat\b|^\W*(?:what|which|who|whom|whose|when|where|why|how|is|are|was|were|do|does|did|can|could|will|would"
+    r"\?|\bwhat\b|^\W*(?:which|who|whom|whose|when|where|why|how|is|are|was|were|do|does|did|can|could|will|would"
     r"|should|has|have|had)\b",
     re.IGNORECASE,
 )
@@ -226,8 +226,11 @@ def turned_round(question: str, best_sentence: str, passage: str) -> Optional[st
     if negated and not _NOT_A_NEGATION.search(question.lower()):
         if not _PASSAGE_NEGATION.search(best_sentence):
             return "the question is negated and its passage states it"
+    polar = sorted(asked & OPPOSITE.keys())
+    if not polar:  # most questions: the passage need not be read again
+        return None
     held, best = set(re.findall(r"[a-z]+", passage.lower())), _lower_words(best_sentence)
-    for word in sorted(asked & OPPOSITE.keys()):
+    for word in polar:
         opposite = OPPOSITE[word] & best
         if opposite and word not in held:
             return f'the question says "{word}", its passage says "{sorted(opposite)[0]}"'
