@@ -181,3 +181,15 @@ def test_the_evidence_scorer_grades_down_a_passage_that_turns_the_question_round
     assert scorer.features(plain, [COMMITTEES])[0, turned] == 0.0
     logits = [math.log(p / (1 - p)) for p in (scorer.score_texts(q, [COMMITTEES])[0] for q in (negated, plain))]
     assert logits[0] < logits[1] - 2.0  # the shipped weight of turned_round, not a rounding of the others
+
+
+def test_the_explanation_says_what_turns_the_question_round() -> None:
+    scorer = EvidenceScorer(corpus=[COMMITTEES, "Parliament meets in Edinburgh.", "Committees meet weekly."])
+    negated = "Which committees do not reflect the balance of parties across Parliament?"
+    turned, kept = (scorer.explain(q, [COMMITTEES])[0] for q in (negated, negated.replace(" not", "")))
+    assert turned["turned_round"] == "the question is negated and its passage states it"
+    assert turned["features"]["turned_round"] == 1.0 and turned["contributions"]["turned_round"] < -2.0
+    assert kept["turned_round"] is None and kept["features"]["turned_round"] == 0.0
+    lower = "Antibody production is lower in winter than in summer."
+    higher = scorer.explain("When is antibody production higher?", [lower])[0]
+    assert higher["turned_round"] == 'the question says "higher", its passage says "lower"'

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -149,3 +150,14 @@ def test_the_packaged_grader_passes_the_trained_readers_paraphrase_cases(
 
     scores = packaged.score_texts(question, [COOPERATIVE[answers], COOPERATIVE[does_not]])
     assert scores[0] > scores[1], scores
+
+
+def test_the_packaged_grader_explains_its_stacked_score(packaged: ReaderScorer) -> None:
+    # The reader's column is explained beside the evidence features, and what turns a question round is named.
+    question, passage = "Who did not design the Halden observatory?", READING[1][1]
+    explained = packaged.explain(question, [passage])[0]
+    assert list(explained["features"]) == [*packaged.feature_names]
+    assert explained["features"]["reader"] == pytest.approx(float(packaged.read(question, [passage])[0]), abs=1e-3)
+    logit = sum(explained["contributions"].values()) + explained["bias"]
+    assert explained["score"] == pytest.approx(1.0 / (1.0 + math.exp(-logit)), abs=1e-3)
+    assert explained["turned_round"] == "the question is negated and its passage states it"

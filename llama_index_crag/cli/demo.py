@@ -130,6 +130,7 @@ def _print_row(q: Question, answer: str, crag: dict, sources: Sequence[str]) -> 
             f"  best candidate {best['doc_id'] or best['node_id']} ({best['score']}): "
             + ", ".join(f"{name} {value:+.2f}" for name, value in parts)
             + f"; lacks: {', '.join(why['missing_terms'][:5]) or 'nothing'}"
+            + (f"; turned round: {why['turned_round']}" if why.get("turned_round") else "")
         )
     if crag.get("rewritten_query"):
         print(

@@ -210,6 +210,10 @@ class EvidenceScorer(RelevanceScorer):
 
     def features(self, query: str, texts: Sequence[str]) -> np.ndarray:
         """The ``FEATURES`` of each passage for ``query``, one row a passage."""
+        return self._read_features(query, texts)[0]
+
+    def _read_features(self, query: str, texts: Sequence[str]) -> Tuple[np.ndarray, List[Optional[str]]]:
+        """``features``, and for each passage what turns the question round in it (``turned_round``), or None."""
         cosines = self.bi_encoder.score_texts(query, texts) if texts else []
         query_terms = set(terms(query))
         weight = {t: self._idf.get(t, self._unseen_idf) for t in query_terms}
@@ -218,7 +222,7 @@ class EvidenceScorer(RelevanceScorer):
         rare = {t for t, w in weight.items() if w >= self._rare_idf}
         q_tokens = terms(query)
         q_bigrams = set(zip(q_tokens, q_tokens[1:]))
-        rows = []
+        rows, reasons = [], []
         for text, cosine in zip(texts, cosines):
             view = _passage(text)
             words = self._found(view.words, view.tokens, expandable, misspelt)
@@ -231,6 +235,7 @@ class EvidenceScorer(RelevanceScorer):
                     best_sentence, best = sentence, found
             bigrams = len(q_bigrams & view.bigrams) / len(q_bigrams) if q_bigrams else 0.0
             rare_cov = len(rare & words) / len(rare) if rare else coverage
+            reasons.append(turned_round(query, best_sentence, text))
             rows.append(
                 [
                     cosine,
@@ -240,11 +245,14 @@ class EvidenceScorer(RelevanceScorer):
                     bigrams,
                     answer_type(query, best_sentence, text),
                     constraints(query, text),
-                    0.0 if turned_round(query, best_sentence, text) is None else 1.0,
+                    0.0 if reasons[-1] is None else 1.0,
                 ]
             )
         own = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(FEATURES) - len(_LIFTED))
-        return np.hstack([own, _lift(own[:, _LIFTED], self.rival_means)])
+        return np.hstack([own, _lift(own[:, _LIFTED], self.rival_means)]), reasons
+
+    def _stack(self, query: str, texts: Sequence[str], evidence: np.ndarray) -> np.ndarray:
+        return evidence  # a scorer that adds features of its own to these (the reader) adds them here
 
     def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
         if not texts:
@@ -255,20 +263,20 @@ class EvidenceScorer(RelevanceScorer):
     def explain(self, query: str, texts: Sequence[str]) -> List[Dict[str, Any]]:
         """Each passage's features, what each adds to the logit, and the query words it lacks.
 
-        ``contributions`` are weight times value for each feature; with ``bias`` they sum
-        to the logit whose sigmoid is ``score``. ``missing_terms`` are the query's
-        content words (lower-cased, lightly stemmed) the passage does not contain,
-        rarest in the corpus first: usually the first thing to read when a passage
-        that looks right scored low.
+        ``contributions`` are weight times value for each feature; with ``bias`` they sum to the logit whose
+        sigmoid is ``score``. ``missing_terms`` are the query's content words (lower-cased, lightly stemmed) the
+        passage does not contain, rarest in the corpus first: usually the first thing to read when a passage that
+        looks right scored low. ``turned_round`` is what in the passage turns the question round, or None.
         """
         if not texts:
             return []
-        rows = self.features(query, texts)
+        evidence, reasons = self._read_features(query, texts)
+        rows = self._stack(query, texts, evidence)
         query_terms = set(terms(query))
         expandable, misspelt = self._expandable(query_terms), self._misspelt(query_terms)
         rarest_first = sorted(query_terms, key=lambda t: (-self._idf.get(t, self._unseen_idf), t))
         explanations = []
-        for text, row in zip(texts, rows):
+        for text, row, reason in zip(texts, rows, reasons):
             view = _passage(text)
             words = self._found(view.words, view.tokens, expandable, misspelt)
             contributions = row * self.weights[:-1]
@@ -279,6 +287,7 @@ class EvidenceScorer(RelevanceScorer):
                     "contributions": {name: round(float(v), 4) for name, v in zip(self.feature_names, contributions)},
                     "bias": round(float(self.weights[-1]), 4),
                     "missing_terms": [t for t in rarest_first if t not in words],
+                    "turned_round": reason,
                 }
             )
         return explanations

@@ -183,7 +183,9 @@ class ReaderScorer(EvidenceScorer):
         return np.asarray([known[t] for t in texts])
 
     def features(self, query: str, texts: Sequence[str]) -> np.ndarray:
-        evidence = super().features(query, texts)
+        return self._stack(query, texts, super().features(query, texts))
+
+    def _stack(self, query: str, texts: Sequence[str], evidence: np.ndarray) -> np.ndarray:
         self.reader_runs += 1
         return np.hstack([evidence, self.read(query, texts).reshape(-1, 1)])
 
