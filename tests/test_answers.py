@@ -8,14 +8,16 @@ from typing import Any, List, Optional, Sequence
 import pytest
 from llama_index.core import VectorStoreIndex
 from llama_index.core.llms import MockLLM
+from llama_index.core.schema import NodeWithScore, TextNode
 
 from llama_index_crag import CorrectiveQueryEngine
-from llama_index_crag.answers.extract import QUOTED_HEADER, states_what_is_asked
+from llama_index_crag.answers.extract import QUOTED_HEADER, EvidenceQuoter, states_an_aim, states_what_is_asked
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.cli import main
 from llama_index_crag.datasets import Question
+from llama_index_crag.scorers.evidence import EvidenceScorer
 
 from .conftest import ALPHA, BETA, Answering, MarkerScorer, ScriptedLLM, make_engine
 
@@ -165,6 +167,38 @@ def test_the_quote_threshold_is_lower_by_default(sample_index: VectorStoreIndex)
 )
 def test_a_quote_must_state_the_figures_and_codes_asked(question: str, text: str, states: bool) -> None:
     assert states_what_is_asked(question, text) is states
+
+
+@pytest.mark.parametrize(
+    ("question", "text", "aim"),
+    [
+        ("mtDNA levels are associated with mortality.", "We hypothesized that mtDNA levels would predict death.", True),
+        ("Macrolides raise the risk of IHPS.", "OBJECTIVE To assess the association of macrolides with IHPS.", True),
+        ("Macrolides raise the risk of IHPS.", "This study was designed to test whether macrolides raise it.", True),
+        ("Does smoking cause cancer?", "Does smoking cause cancer?", True),
+        ("Macrolides raise the risk of IHPS.", "Macrolide use was associated with IHPS (OR 2.3).", False),
+        ("Macrolides raise the risk of IHPS.", "The aim of the law was to prevent cut throat competition.", False),
+        ("Who puts questions?", 'The Officer puts questions, asking "Are we all agreed?', False),
+        # A question about the aim itself is answered by it.
+        ("What did the study aim to show?", "This study aimed to show that macrolides raise the risk.", False),
+        ("Why was the trial run?", "We sought to test whether macrolides raise the risk.", False),
+    ],
+)
+def test_what_a_writer_set_out_to_learn_is_told_from_what_it_found(question: str, text: str, aim: bool) -> None:
+    assert states_an_aim(question, text) is aim
+
+
+def test_the_quoter_never_quotes_a_hypothesis_for_the_finding() -> None:
+    # The hypothesis shares every word of the claim and grades best; quoted, it would read as the evidence.
+    claim = "Elevated cell-free mitochondrial DNA levels are associated with mortality in intensive care."
+    hypothesis = "We hypothesized that elevated cell-free mitochondrial DNA levels are associated with mortality."
+    finding = "In intensive care, patients with elevated mitochondrial DNA levels died more often within 28 days."
+    texts = [f"{hypothesis} {finding}", "Pancreatic enzymes were measured in 40 volunteers after a fast."]
+    scorer = EvidenceScorer(corpus=texts)
+    assert scorer.score_texts(claim, [hypothesis, finding])[0] > scorer.score_texts(claim, [hypothesis, finding])[1]
+    nodes = [NodeWithScore(node=TextNode(text=t)) for t in texts]
+    quotes = EvidenceQuoter(scorer, max_quotes=1, threshold=0.0, strip_min_tokens=3).quote(claim, nodes).quotes
+    assert [q.text for q in quotes] == [finding]
 
 
 def test_quotes_keep_document_order_within_a_passage(embed_model: Any) -> None:

@@ -19,6 +19,20 @@ _CODES = re.compile(r"[\w-]*\d(?:[\w-]|\.\d)*")
 _NUMBER_RANGE = re.compile(r"\d+(?:\.\d+)?-\d+(?:\.\d+)?")
 #: The space a text may put between a number and its unit ("40 mg" for "40mg").
 _UNIT_GAP = re.compile(r"(?<=\d)\s+(?=[^\W\d_])")
+#: What a writer says it set out to learn, and has not yet answered: a labelled objective, a hypothesis or aim in
+#: the first person ("We hypothesized that ..."), a study's own aim ("This study sought to ..."), or a question.
+_OWN_AIM = re.compile(
+    r"^\W*(?:objectives?|aims?|purpose|hypothes[ie]s)\s*[:.\-]?\s"
+    r"|\bwe\s+(?:hypothesi[sz]ed|hypothesi[sz]e|aimed|aim|sought|seek|set\s+out|wanted|wished|asked)\b"
+    r"|\bwe\s+(?:investigated|examined|tested|assessed|evaluated|determined|explored)\s+whether\b"
+    r"|\b(?:the|our)\s+(?:primary\s+|main\s+)?(?:aim|purpose|objective|goal)s?\s+of\s+(?:this|the\s+present|our)\s"
+    r"|\b(?:this|the\s+present|our)\s+(?:study|trial|review|analysis|work|research)\s+"
+    r"(?:aimed|aims|sought|seeks|was\s+designed|is\s+designed)\s+to\b"
+    r"|^[^\"“”]*\?\W*$",
+    re.IGNORECASE,
+)
+#: A question about aims themselves ("What did the study set out to find?") may be answered by one.
+_ASKS_AN_AIM = re.compile(r"\b(?:aim|purpose|goal|objective|hypothes|intend|intent|seek|sought|set\s+out|why)", re.I)
 #: The line that opens every quoted answer, so that nobody reads it as generated text.
 QUOTED_HEADER = "Quoted from the documents (not generated):"
 
@@ -98,14 +112,23 @@ def states_what_is_asked(question: str, text: str) -> bool:
     return True
 
 
+def states_an_aim(question: str, text: str) -> bool:
+    """Whether ``text`` only says what its writer set out to learn (``_OWN_AIM``): "We hypothesized that
+    cell-free mtDNA levels would be associated with mortality" shares every word of the claim that they are, and
+    verifies nothing. Quoted, it reads as the answer. A question about aims ("What did the trial aim to show?")
+    is answered by one, so for it no text is an aim."""
+    return not _ASKS_AN_AIM.search(question) and bool(_OWN_AIM.search(text.strip()))
+
+
 class EvidenceQuoter:
     """Answers with the context's best strips instead of generating.
 
     Every context passage is split into knowledge strips (the refiner's ``decompose``),
     all strips are scored against the question in one batch with the grader's scorer,
-    and the best ``max_quotes`` of those that state what is asked (``states_what_is_asked``)
-    and clear ``threshold`` (the strip threshold: what the refiner would keep) are quoted.
-    When none does, nothing is quoted and the engine abstains. Quotes are
+    and the best ``max_quotes`` of those that state what is asked (``states_what_is_asked``),
+    not only what their writer set out to learn (``states_an_aim``), and clear ``threshold``
+    (the strip threshold: what the refiner would keep) are quoted. When none does, nothing
+    is quoted and the engine abstains. Quotes are
     ordered as the context is (by grade), and within a passage as the text is, so a
     passage's sentences read in their own order.
 
@@ -164,8 +187,10 @@ class EvidenceQuoter:
         for i in ranked:
             strip, node = found[i][2], found[i][3]
             text = " ".join(strip.text.split())
-            if text not in seen and states_what_is_asked(
-                question, f"{node.node.metadata.get('title') or ''} {strip.graded_text}"
+            if (
+                text not in seen
+                and not states_an_aim(question, text)
+                and states_what_is_asked(question, f"{node.node.metadata.get('title') or ''} {strip.graded_text}")
             ):
                 seen.add(text)
                 eligible.append(i)
