@@ -210,7 +210,7 @@ class EvidenceScorer(RelevanceScorer):
 
     def features(self, query: str, texts: Sequence[str]) -> np.ndarray:
         """The ``FEATURES`` of each passage for ``query``, one row a passage."""
-        return self._read_features(query, texts)[0]
+        return self._stack(query, texts, self._read_features(query, texts)[0])
 
     def _read_features(self, query: str, texts: Sequence[str]) -> Tuple[np.ndarray, List[Optional[str]]]:
         """``features``, and for each passage what turns the question round in it (``turned_round``), or None."""

@@ -182,9 +182,6 @@ class ReaderScorer(EvidenceScorer):
                     self._read.pop(next(iter(self._read)))
         return np.asarray([known[t] for t in texts])
 
-    def features(self, query: str, texts: Sequence[str]) -> np.ndarray:
-        return self._stack(query, texts, super().features(query, texts))
-
     def _stack(self, query: str, texts: Sequence[str], evidence: np.ndarray) -> np.ndarray:
         self.reader_runs += 1
         return np.hstack([evidence, self.read(query, texts).reshape(-1, 1)])
@@ -192,7 +189,7 @@ class ReaderScorer(EvidenceScorer):
     def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
         if not texts:
             return []
-        evidence = super().features(query, texts)
+        evidence = self._read_features(query, texts)[0]
         first = [sigmoid(float(v)) for v in evidence @ self.evidence_weights[:-1] + self.evidence_weights[-1]]
         if max(first) < self.settle_below or max(first) >= self.settle_above:
             self.settled += 1
