@@ -11,7 +11,13 @@ from llama_index.core.llms import MockLLM
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from llama_index_crag import CorrectiveQueryEngine
-from llama_index_crag.answers.extract import QUOTED_HEADER, EvidenceQuoter, states_an_aim, states_what_is_asked
+from llama_index_crag.answers.extract import (
+    QUOTED_HEADER,
+    EvidenceQuoter,
+    describes_methods,
+    states_an_aim,
+    states_what_is_asked,
+)
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode
@@ -175,6 +181,8 @@ def test_a_quote_must_state_the_figures_and_codes_asked(question: str, text: str
         ("mtDNA levels are associated with mortality.", "We hypothesized that mtDNA levels would predict death.", True),
         ("Macrolides raise the risk of IHPS.", "OBJECTIVE To assess the association of macrolides with IHPS.", True),
         ("Macrolides raise the risk of IHPS.", "This study was designed to test whether macrolides raise it.", True),
+        # Abstracts exported to JSON twice over hold their line breaks as the two characters "\n".
+        ("Macrolides raise the risk of IHPS.", "\\n OBJECTIVE To assess the association of macrolides.", True),
         ("Does smoking cause cancer?", "Does smoking cause cancer?", True),
         ("Macrolides raise the risk of IHPS.", "Macrolide use was associated with IHPS (OR 2.3).", False),
         ("Macrolides raise the risk of IHPS.", "The aim of the law was to prevent cut throat competition.", False),
@@ -199,6 +207,42 @@ def test_the_quoter_never_quotes_a_hypothesis_for_the_finding() -> None:
     nodes = [NodeWithScore(node=TextNode(text=t)) for t in texts]
     quotes = EvidenceQuoter(scorer, max_quotes=1, threshold=0.0, strip_min_tokens=3).quote(claim, nodes).quotes
     assert [q.text for q in quotes] == [finding]
+
+
+@pytest.mark.parametrize(
+    ("question", "text", "methods"),
+    [
+        ("Macrolides raise the risk of IHPS.", "DESIGN Population-based cohort study of 1 million infants.", True),
+        ("Macrolides raise the risk of IHPS.", "\\n DESIGN, SETTING, AND PARTICIPANTS Cohort of infants.", True),
+        ("Macrolides raise the risk of IHPS.", "MAIN OUTCOME MEASURES Incidence of IHPS in infants.", True),
+        ("Macrolides raise the risk of IHPS.", "Methods: a cohort of 1 million infants was followed.", True),
+        ("Macrolides raise the risk of IHPS.", "METHODS AND FINDINGS Data for 147 countries were analysed.", True),
+        # A sentence that opens with a section's word is not a label; results and conclusions are findings.
+        ("Macrolides raise the risk of IHPS.", "Patients given macrolides had IHPS more often (RR 3.4).", False),
+        ("Macrolides raise the risk of IHPS.", "RESULTS Macrolide use raised the risk of IHPS (RR 3.4).", False),
+        ("Macrolides raise the risk of IHPS.", "CONCLUSIONS Design aside, macrolides raise the risk.", False),
+        # A question may be answered by how a study was done.
+        ("How many infants took part?", "DESIGN Population-based cohort study of 1 million infants.", False),
+        ("The trial enrolled 1 million infants", "PARTICIPANTS 1 million infants born in Denmark.", True),
+    ],
+)
+def test_how_a_study_was_done_is_told_from_what_it_found(question: str, text: str, methods: bool) -> None:
+    assert describes_methods(question, text) is methods
+
+
+def test_the_quoter_never_quotes_a_claim_from_how_its_study_was_done() -> None:
+    # The design names the claim's drug and disease and grades with it; it verifies nothing about them.
+    claim = "Macrolide antibiotics raise the risk of infantile hypertrophic pyloric stenosis."
+    design = "DESIGN Nationwide cohort of infants exposed to macrolide antibiotics, followed for pyloric stenosis."
+    finding = "Infants exposed to macrolides in the first two weeks of life had pyloric stenosis 30 times as often."
+    texts = [f"{design} {finding}", "Pancreatic enzymes were measured in 40 volunteers after a fast."]
+    scorer = EvidenceScorer(corpus=texts)
+    assert scorer.score_texts(claim, [design, finding])[0] > scorer.score_texts(claim, [design, finding])[1]
+    nodes = [NodeWithScore(node=TextNode(text=t)) for t in texts]
+    quoter = EvidenceQuoter(scorer, max_quotes=1, threshold=0.0, strip_min_tokens=3)
+    assert [q.text for q in quoter.quote(claim, nodes).quotes] == [finding]
+    # Asked, the design may answer.
+    assert describes_methods("Which infants were followed?", design) is False
 
 
 def test_quotes_keep_document_order_within_a_passage(embed_model: Any) -> None:

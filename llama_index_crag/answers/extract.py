@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from llama_index.core.schema import NodeWithScore
 
 from llama_index_crag.core.refiner import Strip, decompose, kept_strips
-from llama_index_crag.scorers.answer_type import asked_kinds, holds_kind
+from llama_index_crag.scorers.answer_type import asked_kinds, asks, holds_kind
 from llama_index_crag.scorers.base import RelevanceScorer
 
 #: Figures and codes a question names: years, quarters, versions, regions ("2023", "Q2", "7.2.1", "EU-2").
@@ -19,16 +19,33 @@ _CODES = re.compile(r"[\w-]*\d(?:[\w-]|\.\d)*")
 _NUMBER_RANGE = re.compile(r"\d+(?:\.\d+)?-\d+(?:\.\d+)?")
 #: The space a text may put between a number and its unit ("40 mg" for "40mg").
 _UNIT_GAP = re.compile(r"(?<=\d)\s+(?=[^\W\d_])")
+#: Where a structured abstract's section label stands: first, after punctuation, a line break, or a line break
+#: written out as the two characters ``\n`` (as abstracts exported to JSON twice over hold it).
+_LABEL_START = r"^(?:[\W_]|(?<=\\)n\b)*"
 #: What a writer says it set out to learn, and has not yet answered: a labelled objective, a hypothesis or aim in
 #: the first person ("We hypothesized that ..."), a study's own aim ("This study sought to ..."), or a question.
 _OWN_AIM = re.compile(
-    r"^\W*(?:objectives?|aims?|purpose|hypothes[ie]s)\s*[:.\-]?\s"
+    _LABEL_START + r"(?:objectives?|aims?|purpose|hypothes[ie]s)\s*[:.\-]?\s"
     r"|\bwe\s+(?:hypothesi[sz]ed|hypothesi[sz]e|aimed|aim|sought|seek|set\s+out|wanted|wished|asked)\b"
     r"|\bwe\s+(?:investigated|examined|tested|assessed|evaluated|determined|explored)\s+whether\b"
     r"|\b(?:the|our)\s+(?:primary\s+|main\s+)?(?:aim|purpose|objective|goal)s?\s+of\s+(?:this|the\s+present|our)\s"
     r"|\b(?:this|the\s+present|our)\s+(?:study|trial|review|analysis|work|research)\s+"
     r"(?:aimed|aims|sought|seeks|was\s+designed|is\s+designed)\s+to\b"
     r"|^[^\"“”]*\?\W*$",
+    re.IGNORECASE,
+)
+#: The sections of a structured abstract that say how a study was done, and never what it found: "DESIGN",
+#: "SETTING AND PARTICIPANTS", "MAIN OUTCOME MEASURES", "Methods:".
+_METHOD_SECTION = (
+    r"(?:design|settings?|participants|patients|subjects|population|methods?|materials|interventions?|exposures?"
+    r"|main\s+outcomes?(?:\s+and)?(?:\s+measures?|\s+measurements?)?|outcome\s+measures?|measurements"
+    r"|data\s+(?:sources?|extraction|collection|synthesis)|study\s+selection|studies\s+reviewed|funding"
+    r"|(?:clinical\s+)?trial\s+registration(?:\s+url)?|review\s+(?:methods|registration))"
+)
+#: Such a label opening a strip, alone or joined to others ("DESIGN, SETTING, AND PARTICIPANTS"); group 2 is
+#: the colon that may follow it.
+_METHODS_LABEL = re.compile(
+    _LABEL_START + rf"({_METHOD_SECTION}(?:(?:\s*,\s*|\s+)(?:and\s+)?{_METHOD_SECTION})*)(\s*:)?\s",
     re.IGNORECASE,
 )
 #: A question about aims themselves ("What did the study set out to find?") may be answered by one.
@@ -120,13 +137,25 @@ def states_an_aim(question: str, text: str) -> bool:
     return not _ASKS_AN_AIM.search(question) and bool(_OWN_AIM.search(text.strip()))
 
 
+def describes_methods(question: str, text: str) -> bool:
+    """Whether ``text`` opens a structured abstract's section on how a study was done (``_METHODS_LABEL``,
+    written in capitals or followed by a colon: "Patients were ..." is a sentence, not a label) and ``question``
+    is a claim (``asks``). "DESIGN Randomised controlled trial in 36 medical centres" names the claim's drug and
+    disease and verifies nothing about them; a question ("How many patients took part?") may be answered by it."""
+    if asks(question):
+        return False
+    label = _METHODS_LABEL.match(text.strip())
+    return bool(label and (label.group(2) or label.group(1).isupper()))
+
+
 class EvidenceQuoter:
     """Answers with the context's best strips instead of generating.
 
     Every context passage is split into knowledge strips (the refiner's ``decompose``),
     all strips are scored against the question in one batch with the grader's scorer,
     and the best ``max_quotes`` of those that state what is asked (``states_what_is_asked``),
-    not only what their writer set out to learn (``states_an_aim``), and clear ``threshold``
+    not only what their writer set out to learn (``states_an_aim``) or, for a claim, how its study was done
+    (``describes_methods``), and clear ``threshold``
     (the strip threshold: what the refiner would keep) are quoted. When none does, nothing
     is quoted and the engine abstains. Quotes are
     ordered as the context is (by grade), and within a passage as the text is, so a
@@ -190,6 +219,7 @@ class EvidenceQuoter:
             if (
                 text not in seen
                 and not states_an_aim(question, text)
+                and not describes_methods(question, text)
                 and states_what_is_asked(question, f"{node.node.metadata.get('title') or ''} {strip.graded_text}")
             ):
                 seen.add(text)

@@ -207,6 +207,11 @@ _ASKS = re.compile(
 )
 
 
+def asks(query: str) -> bool:
+    """Whether ``query`` asks something (``_ASKS``), as a question does, rather than states it, as a claim does."""
+    return bool(_ASKS.search(query))
+
+
 def turned_round(question: str, best_sentence: str, passage: str) -> Optional[str]:
     """What in the passage turns the question round, or None.
 
@@ -219,7 +224,7 @@ def turned_round(question: str, best_sentence: str, passage: str) -> Optional[st
     A claim is not turned round: a passage that says the opposite of a claim is the
     evidence that refutes it, which is what a user checking the claim needs.
     """
-    if not _ASKS.search(question):
+    if not asks(question):
         return None
     asked = _lower_words(question)
     negated = bool(asked & _QUESTION_NEGATION) or any(w.endswith("n't") for w in asked)
