@@ -169,6 +169,11 @@ def test_the_quote_threshold_is_lower_by_default(sample_index: VectorStoreIndex)
         ("76-85% of serious cases receive no treatment.", "76.3% of serious cases had none.", False),
         ("How long did the EU-2 outage last?", "The EU-2 outage lasted 4 hours.", True),
         ("How long did the EU-2 outage last?", "The EU-2 outage began at 09:10.", False),
+        # A claim's "who" and "where" open clauses: it asks for no person and no place, only its figures.
+        ("Students who perform poorly are at risk of misconduct.", "Poor performance predicted misconduct.", True),
+        ("Risk depends on where the BRCA1 mutation is located.", "BRCA1 risk varied with the mutation's site.", True),
+        ("Participants who quit smoking halve their risk.", "Quitting cut the risk by 50% in 2010.", True),
+        ("Participants who quit smoking cut risk by 50%.", "Quitting cut the risk by a third.", False),
     ],
 )
 def test_a_quote_must_state_the_figures_and_codes_asked(question: str, text: str, states: bool) -> None:
