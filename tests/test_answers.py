@@ -222,6 +222,13 @@ def test_the_quoter_never_quotes_a_hypothesis_for_the_finding() -> None:
         ("Macrolides raise the risk of IHPS.", "MAIN OUTCOME MEASURES Incidence of IHPS in infants.", True),
         ("Macrolides raise the risk of IHPS.", "Methods: a cohort of 1 million infants was followed.", True),
         ("Macrolides raise the risk of IHPS.", "METHODS AND FINDINGS Data for 147 countries were analysed.", True),
+        ("Folic acid does not affect kidney disease.", "INTERVENTION Participants received 40 mg of folic acid.", True),
+        ("Folic acid does not affect kidney disease.", "PATIENTS AND METHODS Patients received folic acid.", True),
+        ("Folic acid does not affect kidney disease.", "Design, Setting, and Participants Prospective cohort.", True),
+        ("Folic acid does not affect kidney disease.", "Participants 1309 practices in England took part.", True),
+        # A strip that runs on into its results states a finding.
+        ("Aspirin lowers the risk of colorectal cancer.", "MAIN OUTCOMES Cancer. RESULTS Aspirin lowered it.", False),
+        ("Aspirin lowers the risk of colorectal cancer.", "Design: cohort. Results: aspirin lowered it.", False),
         # A sentence that opens with a section's word is not a label; results and conclusions are findings.
         ("Macrolides raise the risk of IHPS.", "Patients given macrolides had IHPS more often (RR 3.4).", False),
         ("Macrolides raise the risk of IHPS.", "RESULTS Macrolide use raised the risk of IHPS (RR 3.4).", False),

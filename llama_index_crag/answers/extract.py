@@ -42,12 +42,15 @@ _METHOD_SECTION = (
     r"|data\s+(?:sources?|extraction|collection|synthesis)|study\s+selection|studies\s+reviewed|funding"
     r"|(?:clinical\s+)?trial\s+registration(?:\s+url)?|review\s+(?:methods|registration))"
 )
-#: Such a label opening a strip, alone or joined to others ("DESIGN, SETTING, AND PARTICIPANTS"); group 2 is
-#: the colon that may follow it.
+#: Such a label opening a strip, alone or joined to others by commas or "and" ("DESIGN, SETTING, AND
+#: PARTICIPANTS"; in "INTERVENTION Participants received ..." the label ends before the sentence's first word);
+#: group 2 is the colon that may follow it, group 3 the character that opens the section's text.
 _METHODS_LABEL = re.compile(
-    _LABEL_START + rf"({_METHOD_SECTION}(?:(?:\s*,\s*|\s+)(?:and\s+)?{_METHOD_SECTION})*)(\s*:)?\s",
+    _LABEL_START + rf"({_METHOD_SECTION}(?:(?:\s*,\s*(?:and\s+)?|\s+and\s+){_METHOD_SECTION})*)(\s*:)?\s+(\S)",
     re.IGNORECASE,
 )
+#: A later label that reports what was found: a strip that runs on into it states a finding.
+_FINDINGS_LABEL = re.compile(r"(?:^|[.;]\s+|\\n\s*)(?:results?|conclusions?|findings|interpretation)\b\s*:?\s+\S", re.I)
 #: A question about aims themselves ("What did the study set out to find?") may be answered by one.
 _ASKS_AN_AIM = re.compile(r"\b(?:aim|purpose|goal|objective|hypothes|intend|intent|seek|sought|set\s+out|why)", re.I)
 #: The line that opens every quoted answer, so that nobody reads it as generated text.
@@ -141,14 +144,23 @@ def states_an_aim(question: str, text: str) -> bool:
 
 
 def describes_methods(question: str, text: str) -> bool:
-    """Whether ``text`` opens a structured abstract's section on how a study was done (``_METHODS_LABEL``,
-    written in capitals or followed by a colon: "Patients were ..." is a sentence, not a label) and ``question``
-    is a claim (``asks``). "DESIGN Randomised controlled trial in 36 medical centres" names the claim's drug and
-    disease and verifies nothing about them; a question ("How many patients took part?") may be answered by it."""
+    """Whether ``text`` is only a structured abstract's section on how a study was done (``_METHODS_LABEL``)
+    and ``question`` is a claim (``asks``). "DESIGN Randomised controlled trial in 36 medical centres" names the
+    claim's drug and disease and verifies nothing about them; a question ("How many patients took part?") may
+    be answered by it.
+
+    The label is written in capitals ("DESIGN"), followed by a colon ("Design:"), or in title case before a
+    capital or a figure ("Design, Setting, and Participants Prospective cohort ..."): "Patients were ..." is a
+    sentence, not a label. A strip that runs on into its results ("MAIN OUTCOMES Colorectal cancer. RESULTS
+    Regular use of aspirin was associated with ...") states a finding."""
     if asks(question):
         return False
-    label = _METHODS_LABEL.match(text.strip())
-    return bool(label and (label.group(2) or label.group(1).isupper()))
+    stripped = text.strip()
+    label = _METHODS_LABEL.match(stripped)
+    if not label or _FINDINGS_LABEL.search(stripped, label.end(3)):
+        return False
+    words, opening = label.group(1), label.group(3)
+    return bool(label.group(2) or words.isupper() or (words[:1].isupper() and (opening.isupper() or opening.isdigit())))
 
 
 class EvidenceQuoter:
