@@ -19,6 +19,7 @@ from llama_index_crag.core.refiner import decompose
 from llama_index_crag.core.settings import CragSettings, WebSearchSettings
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers import BiEncoderScorer, UpstreamScoreScorer
+from llama_index_crag.stores.chunking import split_sentences
 
 from .conftest import ALPHA, BETA, CORPUS, GAMMA, MarkerScorer, ScriptedLLM
 
@@ -119,6 +120,39 @@ def test_decompose_keeps_tables_and_code_whole_and_merges_short_sentences() -> N
     assert strips[0].text == "Churn fell. It fell in every quarter of the year for the Pro plan."
     assert strips[1].text.count("|") == 12
     assert "client.export()" in strips[2].text and strips[2].text.startswith("```")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Dr. Smith founded the settlement of St. Augustine for the U.S. Army in the year of the great storm.",
+        "The Huguenots furnished two new regiments of his army: the Infantry Regiments No. 13 and No. 15 of Prussia.",
+        "Regular use of NSAIDs (e.g. aspirin) and of other drugs, as Smith et al. showed, lowered the risk (Fig. 2).",
+    ],
+)
+def test_a_sentence_with_abbreviations_is_one_strip(text: str) -> None:
+    # LlamaIndex's own splitter knows no abbreviation and cut each of these after its first full stop.
+    assert [s.strip() for s in split_sentences(f"{text} The next sentence begins here.")] == [
+        text,
+        "The next sentence begins here.",
+    ]
+    assert [s.text for s in decompose(f"{text} The next sentence begins here and runs on.", min_tokens=5)] == [
+        text,
+        "The next sentence begins here and runs on.",
+    ]
+
+
+def test_sentences_are_the_text_in_consecutive_slices() -> None:
+    text = "The answer was no. Then he left.  Regiments No. 13 fought. Mt. Everest is high."
+    sentences = split_sentences(text)
+    assert "".join(sentences) == text
+    assert [s.strip() for s in sentences] == [
+        "The answer was no.",
+        "Then he left.",
+        "Regiments No. 13 fought.",
+        "Mt. Everest is high.",
+    ]
+    assert split_sentences("") == [] and split_sentences("no full stop") == ["no full stop"]
 
 
 def test_a_chunk_shorter_than_the_minimum_stays_whole() -> None:

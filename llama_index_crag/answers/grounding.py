@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
-
-from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from llama_index_crag.core.refiner import decompose
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.evidence import terms
+from llama_index_crag.stores.chunking import split_sentences
 
 _WORD_NUMBERS = {
     w: str(i)
@@ -151,12 +149,6 @@ def _evidence(texts: Sequence[str], strip_min_tokens: Optional[int]) -> _Evidenc
     )
 
 
-@functools.lru_cache(maxsize=1)
-def _sentence_splitter() -> Callable[[str], List[str]]:
-    """LlamaIndex's sentence tokenizer, built once (building it loads NLTK's punkt data)."""
-    return split_by_sentence_tokenizer()
-
-
 def _names(sentence: str) -> List[str]:
     """Runs of capitalised words: names of people, products, places; the sentence's first word only if clearly one."""
     tokens = list(re.finditer(r"\S+", sentence))
@@ -286,7 +278,7 @@ class GroundednessChecker:
         found = _evidence(sources, self.strip_min_tokens if self.use_scorer else None)
         asked_words = set(re.findall(r"[^\W_]+", question.casefold()))
         asked_terms = set(terms(question))
-        sentences = [s.strip() for s in _sentence_splitter()(text) if s.strip()] or [text]
+        sentences = [s.strip() for s in split_sentences(text) if s.strip()] or [text]
         checked = sentences[: self.max_sentences]
         results = [self._sentence(s, found, asked_words, asked_terms) for s in checked]
         if self.use_scorer and found.strips:

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
-from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeRelationship, NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.evidence import terms
+from llama_index_crag.stores.chunking import split_sentences
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$")
@@ -167,7 +167,7 @@ def _with_subjects(strips: List[Strip], title: str) -> List[Strip]:
 def _prose_strips(text: str, min_tokens: int) -> List[Strip]:
     if not text.strip():
         return []
-    sentences = [s.strip() for s in split_by_sentence_tokenizer()(text) if s.strip()]
+    sentences = [s.strip() for s in split_sentences(text) if s.strip()]
     merged: List[str] = []
     pending = ""
     for sentence in sentences:

@@ -11,7 +11,6 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequ
 
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer
 from nltk.stem.porter import PorterStemmer
 from numpy.typing import ArrayLike
 from rapidfuzz import process
@@ -21,6 +20,7 @@ from llama_index_crag.errors import ConfigError, DatasetError
 from llama_index_crag.scorers.answer_type import answer_type, constraints, turned_round
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
+from llama_index_crag.stores.chunking import split_sentences
 
 FEATURES = (
     "cosine",
@@ -375,7 +375,7 @@ PASSAGE_CACHE_SIZE = 4096
 
 @lru_cache(maxsize=PASSAGE_CACHE_SIZE)
 def _passage(text: str) -> _Passage:
-    split = [s for s in split_by_sentence_tokenizer()(text) if s.strip()] or [text]
+    split = [s for s in split_sentences(text) if s.strip()] or [text]
     per_sentence = [terms(s) for s in split]
     # The sentences are consecutive slices of the text, so their words in order are the text's words.
     tokens = [t for words in per_sentence for t in words]

@@ -1,12 +1,16 @@
-"""One chunker for every ingest (index folder, PostgreSQL, evaluation), and text as every store accepts it."""
+"""One chunker for every ingest (index folder, PostgreSQL, evaluation), one sentence splitter for every strip and
+sentence the loop reads, and text as every store accepts it."""
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import List, Sequence
+from typing import Any, List, Sequence
 
 from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer_internal
 from llama_index.core.schema import BaseNode, Document
+from llama_index.core.utils import globals_helper
 
 _UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|[\ud800-\udfff]")
 
@@ -33,3 +37,45 @@ def splitter() -> SentenceSplitter:
 def chunk(documents: Sequence[Document]) -> List[BaseNode]:
     """``documents`` chunked as every ingest here chunks them (``splitter()``)."""
     return list(splitter().get_nodes_from_documents(documents))
+
+
+#: Abbreviations that stand inside sentences of papers and encyclopaedias and NLTK's English model lacks ("e.g.
+#: aspirin", "Smith et al. showed", "Fig. 2", "Mt. Everest"). "No." is not among them: "the answer was no." ends one.
+_MORE_ABBREVIATIONS = frozenset(
+    {"e.g", "i.e", "al", "fig", "figs", "mt", "approx", "ca", "cf", "ref", "refs", "vol", "eq", "pp"}
+)
+#: A numbered item's "No." or "Nos." ending a split, before the number that opens the next ("Regiments No. 13").
+_NUMBER_SIGN = re.compile(r"\bNos?\.\s*$")
+
+
+@functools.lru_cache(maxsize=1)
+def _sentence_tokenizer() -> Any:
+    """NLTK's trained English punkt model (``punkt_tab``, which LlamaIndex bundles) with ``_MORE_ABBREVIATIONS``.
+
+    LlamaIndex's own ``split_by_sentence_tokenizer`` uses an untrained ``PunktSentenceTokenizer``, which knows no
+    abbreviation and cuts "Dr. Smith", "the St. Lawrence" and "the U.S. Army" in two. Where the model cannot be
+    loaded, that untrained tokenizer is used with the abbreviations added.
+    """
+    from nltk.tokenize import PunktSentenceTokenizer, PunktTokenizer
+
+    globals_helper.wait_for_nltk_check()  # puts LlamaIndex's bundled NLTK data on NLTK's path
+    try:
+        tokenizer = PunktTokenizer("english")
+    except LookupError:
+        tokenizer = PunktSentenceTokenizer()
+    # NLTK has no public way to add abbreviations to a loaded model; its parameters are a plain set.
+    tokenizer._params.abbrev_types.update(_MORE_ABBREVIATIONS)
+    return tokenizer
+
+
+def split_sentences(text: str) -> List[str]:
+    """``text`` in sentences: consecutive slices, each running to where the next begins (so together they are the
+    text from its first sentence on, spaces kept), as LlamaIndex's splitter cuts them, with abbreviations known
+    (``_sentence_tokenizer``) and a numbered item's "No." kept with its number."""
+    sentences: List[str] = []
+    for sentence in split_by_sentence_tokenizer_internal(text, _sentence_tokenizer()):
+        if sentences and sentence[:1].isdigit() and _NUMBER_SIGN.search(sentences[-1]):
+            sentences[-1] += sentence
+        else:
+            sentences.append(sentence)
+    return sentences
