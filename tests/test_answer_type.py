@@ -33,6 +33,20 @@ def test_the_question_says_what_kind_of_answer_it_asks_for(question: str, kinds:
     assert asked_kinds(question) == frozenset(kinds)
 
 
+@pytest.mark.parametrize(
+    "claim",
+    [
+        "BRCA 1 mutation carriers' risk of breast and ovarian cancer depends on where the mutation is located.",
+        "Students who perform poorly in the early years of medical school are at increased risk of misconduct.",
+        "qSOFA scores are associated with length of stay in emergency department patients.",
+    ],
+)
+def test_a_claim_asks_for_no_kind_of_answer(claim: str) -> None:
+    # Its "who" and "where" open clauses; a passage that verifies it need name no person and no place.
+    assert asked_kinds(claim) is None
+    assert answer_type(claim, "Risk varied with the mutation's site.", "Risk varied with the mutation's site.") == 0.5
+
+
 def test_a_when_that_opens_a_clause_asks_for_no_date() -> None:
     assert asked_kinds("What is the resultant force called when two forces act on a particle?") is None
 

@@ -122,9 +122,8 @@ def states_what_is_asked(question: str, text: str) -> bool:
     A number may stand apart from its unit ("40 mg" states "40mg"), and a range of numbers is stated when both
     of its ends are ("76-85%" by "76.3% to 85.4%").
 
-    A claim asks for no kind of answer: its "who" or "where" opens a clause ("Students who perform poorly ...",
-    "... depends on where the mutation is located"), so only its figures must be stated."""
-    kinds = asked_kinds(question) if asks(question) else None
+    A claim asks for no kind of answer (``asked_kinds``), so only its figures must be stated."""
+    kinds = asked_kinds(question)
     if kinds is not None and not holds_kind(kinds, text, question):
         return False
     lowered = _UNIT_GAP.sub("", text.casefold())

@@ -102,7 +102,12 @@ _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
 
 
 def asked_kinds(question: str) -> Optional[FrozenSet[str]]:
-    """The kinds of answer the question asks for ("how long does it last" asks for a duration), or None."""
+    """The kinds of answer the question asks for ("how long does it last" asks for a duration), or None.
+
+    A claim (``asks``) asks for none: its "who" and "where" open clauses ("Students who perform poorly ...",
+    "... depends on where the mutation is located")."""
+    if not asks(question):
+        return None
     for pattern, kinds in _QUESTION_KINDS:
         if pattern.search(question):
             return kinds or None
