@@ -15,6 +15,7 @@ from llama_index_crag.answers.extract import (
     QUOTED_HEADER,
     EvidenceQuoter,
     describes_methods,
+    states_a_gap,
     states_an_aim,
     states_what_is_asked,
 )
@@ -226,6 +227,7 @@ def test_the_quoter_never_quotes_a_hypothesis_for_the_finding() -> None:
         ("Folic acid does not affect kidney disease.", "PATIENTS AND METHODS Patients received folic acid.", True),
         ("Folic acid does not affect kidney disease.", "Design, Setting, and Participants Prospective cohort.", True),
         ("Folic acid does not affect kidney disease.", "Participants 1309 practices in England took part.", True),
+        ("ABPM is inaccurate.", "Eligibility criteria for selecting studies Eligible studies examined adults.", True),
         # A strip that runs on into its results states a finding.
         ("Aspirin lowers the risk of colorectal cancer.", "MAIN OUTCOMES Cancer. RESULTS Aspirin lowered it.", False),
         ("Aspirin lowers the risk of colorectal cancer.", "Design: cohort. Results: aspirin lowered it.", False),
@@ -240,6 +242,21 @@ def test_the_quoter_never_quotes_a_hypothesis_for_the_finding() -> None:
 )
 def test_how_a_study_was_done_is_told_from_what_it_found(question: str, text: str, methods: bool) -> None:
     assert describes_methods(question, text) is methods
+
+
+@pytest.mark.parametrize(
+    ("question", "text", "gap"),
+    [
+        ("AMPK reduces lung fibrosis.", "However, the role of AMPK in fibrosis is not well understood.", True),
+        ("Bariatric surgery harms mental health.", "Whether it affects mental health remains unknown.", True),
+        ("Untreated mental disorders are common.", "CONTEXT Little is known about untreated mental disorders.", True),
+        ("AMPK reduces lung fibrosis.", "AMPK activation reversed established lung fibrosis in mice.", False),
+        # A question may be answered by what was not known.
+        ("Who did not know of the Rhine?", "The Rhine was not known to Herodotus.", False),
+    ],
+)
+def test_what_is_not_yet_known_is_told_from_what_was_found(question: str, text: str, gap: bool) -> None:
+    assert states_a_gap(question, text) is gap
 
 
 def test_the_quoter_never_quotes_a_claim_from_how_its_study_was_done() -> None:

@@ -40,7 +40,8 @@ _METHOD_SECTION = (
     r"(?:design|settings?|participants|patients|subjects|population|methods?|materials|interventions?|exposures?"
     r"|main\s+outcomes?(?:\s+and)?(?:\s+measures?|\s+measurements?)?|outcome\s+measures?|measurements"
     r"|data\s+(?:sources?|extraction|collection|synthesis)|study\s+selection|studies\s+reviewed|funding"
-    r"|(?:clinical\s+)?trial\s+registration(?:\s+url)?|review\s+(?:methods|registration))"
+    r"|(?:clinical\s+)?trial\s+registration(?:\s+url)?|review\s+(?:methods|registration)"
+    r"|eligibility\s+criteria(?:\s+for\s+(?:selecting|including)\s+studies)?)"
 )
 #: Such a label opening a strip, alone or joined to others by commas or "and" ("DESIGN, SETTING, AND
 #: PARTICIPANTS"; in "INTERVENTION Participants received ..." the label ends before the sentence's first word);
@@ -51,6 +52,17 @@ _METHODS_LABEL = re.compile(
 )
 #: A later label that reports what was found: a strip that runs on into it states a finding.
 _FINDINGS_LABEL = re.compile(r"(?:^|[.;]\s+|\\n\s*)(?:results?|conclusions?|findings|interpretation)\b\s*:?\s+\S", re.I)
+#: What a writer says is not yet known, the gap a study sets out to fill: "the role of AMPK in fibrosis is not well
+#: understood", "whether they are associated with outcomes remains unknown", "little is known about ...".
+_UNKNOWN = re.compile(
+    r"\b(?:remains?|remained)\s+(?:largely\s+|still\s+|as\s+yet\s+)?(?:unknown|unclear|elusive|uncertain|unexplored"
+    r"|obscure|controversial|to\s+be\s+(?:determined|established|elucidated|clarified))\b"
+    r"|\b(?:is|are|was|were|has\s+been|have\s+been)\s+(?:still\s+)?(?:not\s+(?:well\s+|fully\s+|yet\s+|completely\s+)?"
+    r"(?:understood|known|established|characteri[sz]ed|defined|clear)|(?:poorly|incompletely|little)\s+"
+    r"(?:understood|known|characteri[sz]ed|studied))\b"
+    r"|\blittle\s+is\s+known\b|\bit\s+is\s+(?:not\s+(?:yet\s+)?known|unknown|unclear)\b",
+    re.IGNORECASE,
+)
 #: A question about aims themselves ("What did the study set out to find?") may be answered by one.
 _ASKS_AN_AIM = re.compile(r"\b(?:aim|purpose|goal|objective|hypothes|intend|intent|seek|sought|set\s+out|why)", re.I)
 #: The line that opens every quoted answer, so that nobody reads it as generated text.
@@ -162,6 +174,14 @@ def describes_methods(question: str, text: str) -> bool:
     return bool(label.group(2) or words.isupper() or (words[:1].isupper() and (opening.isupper() or opening.isdigit())))
 
 
+def states_a_gap(question: str, text: str) -> bool:
+    """Whether ``text`` says what is not yet known (``_UNKNOWN``: "However, the role of AMPK in fibrosis is not well
+    understood") and ``question`` is a claim (``asks``). It shares the claim's subject and verifies nothing about
+    it. A question may be answered by one ("Is the cause known?", or "The Rhine was not known to Herodotus" for
+    "Who did not know of the Rhine?")."""
+    return not asks(question) and bool(_UNKNOWN.search(text))
+
+
 class EvidenceQuoter:
     """Answers with the context's best strips instead of generating.
 
@@ -169,7 +189,7 @@ class EvidenceQuoter:
     all strips are scored against the question in one batch with the grader's scorer,
     and the best ``max_quotes`` of those that state what is asked (``states_what_is_asked``),
     not only what their writer set out to learn (``states_an_aim``) or, for a claim, how its study was done
-    (``describes_methods``), and clear ``threshold``
+    (``describes_methods``) or what is not yet known (``states_a_gap``), and clear ``threshold``
     (the strip threshold: what the refiner would keep) are quoted. When none does, nothing
     is quoted and the engine abstains. Quotes are
     ordered as the context is (by grade), and within a passage as the text is, so a
@@ -234,6 +254,7 @@ class EvidenceQuoter:
                 text not in seen
                 and not states_an_aim(question, text)
                 and not describes_methods(question, text)
+                and not states_a_gap(question, text)
                 and states_what_is_asked(question, f"{node.node.metadata.get('title') or ''} {strip.graded_text}")
             ):
                 seen.add(text)
