@@ -238,6 +238,16 @@ def test_the_quoter_never_quotes_a_hypothesis_for_the_finding() -> None:
         # A question may be answered by how a study was done.
         ("How many infants took part?", "DESIGN Population-based cohort study of 1 million infants.", False),
         ("The trial enrolled 1 million infants", "PARTICIPANTS 1 million infants born in Denmark.", True),
+        ("Macrolides raise the risk of IHPS.", "Methodology: 340 infants were studied in one centre.", True),
+        # Unlabelled, a sentence that only says what was done is methods too; one that reports a finding is not.
+        ("Folate lowers homocysteine.", "Fasting blood samples for folate analysis were taken at 3 months.", True),
+        ("Amitriptyline treats headache.", "We compared amitriptyline in 82 patients in an open-label study.", True),
+        ("Amitriptyline treats headache.", "Forty-one sufferers were randomly assigned to amitriptyline.", True),
+        ("Amitriptyline treats headache.", "Amitriptyline significantly reduced the frequency of headache.", False),
+        ("Amitriptyline treats headache.", "We found that amitriptyline was effective in chronic headache.", False),
+        ("Amitriptyline treats headache.", "Patients given amitriptyline were followed for longer (P < 0.05).", False),
+        ("BCL-2 drives leukemia.", "Using ChIP-seq, we identified two GEFs as key molecules of the leukemia.", False),
+        ("How were the sufferers assigned?", "Forty-one sufferers were randomly assigned to amitriptyline.", False),
     ],
 )
 def test_how_a_study_was_done_is_told_from_what_it_found(question: str, text: str, methods: bool) -> None:

@@ -37,7 +37,7 @@ _OWN_AIM = re.compile(
 #: The sections of a structured abstract that say how a study was done, and never what it found: "DESIGN",
 #: "SETTING AND PARTICIPANTS", "MAIN OUTCOME MEASURES", "Methods:".
 _METHOD_SECTION = (
-    r"(?:design|settings?|participants|patients|subjects|population|methods?|materials|interventions?|exposures?"
+    r"(?:design|settings?|participants|patients|subjects|population|methods?|methodology|materials|interventions?|exposures?"
     r"|main\s+outcomes?(?:\s+and)?(?:\s+measures?|\s+measurements?)?|outcome\s+measures?|measurements"
     r"|data\s+(?:sources?|extraction|collection|synthesis)|study\s+selection|studies\s+reviewed|funding"
     r"|(?:clinical\s+)?trial\s+registration(?:\s+url)?|review\s+(?:methods|registration)"
@@ -48,6 +48,35 @@ _METHOD_SECTION = (
 #: group 2 is the colon that may follow it, group 3 the character that opens the section's text.
 _METHODS_LABEL = re.compile(
     _LABEL_START + rf"({_METHOD_SECTION}(?:(?:\s*,\s*(?:and\s+)?|\s+and\s+){_METHOD_SECTION})*)(\s*:)?\s+(\S)",
+    re.IGNORECASE,
+)
+#: A sentence that says what a study did, labelled or not: "We enrolled 1,200 patients ...", "Serum samples were
+#: collected at baseline", "Participants were randomly assigned to ...".
+_PROCEDURE = re.compile(
+    r"\bwe\s+(?:\w+ly\s+)?(?:enrolled|recruited|randomi[sz]ed|assigned|allocated|conducted|performed|measured"
+    r"|analy[sz]ed|collected|used|followed|studied|surveyed|selected|included|obtained|screened|genotyped|sequenced"
+    r"|interviewed|searched|reviewed|compared|calculated|estimated|applied|developed|designed|generated|constructed"
+    r"|tested|evaluated|assessed|examined|investigated|determined|characteri[sz]ed|quantified|monitored|treated"
+    r"|administered|exposed|injected|fed|isolated|extracted|pooled|combined|model+ed|simulated|linked|matched"
+    r"|defined|classified|categori[sz]ed|stratified|adjusted|fit(?:ted)?|undertook|carried\s+out|created"
+    r"|utili[sz]ed|employed|implemented|recorded|retrieved|abstracted)\b"
+    r"|\b(?:was|were)\s+(?:\w+ly\s+)?(?:enrolled|recruited|randomi[sz]ed|assigned|allocated|conducted|performed"
+    r"|measured|analy[sz]ed|collected|used|followed(?:\s+up)?|studied|surveyed|selected|included|obtained|screened"
+    r"|genotyped|sequenced|interviewed|searched|reviewed|calculated|estimated|applied|administered|injected|fed"
+    r"|isolated|extracted|pooled|recorded|retrieved|abstracted|stratified|adjusted|fitted|defined|classified"
+    r"|categori[sz]ed|matched|identified\s+(?:from|through|using|by|in)|assessed|evaluated|determined|quantified"
+    r"|monitored|treated|exposed|given|tested|examined|investigated|carried\s+out|undertaken|compared|taken|drawn"
+    r"|sampled|invited|asked)\b",
+    re.IGNORECASE,
+)
+#: What a sentence that reports a finding holds: a comparison, an effect, an association, a significance, a
+#: share or a p-value ("... were more likely to ...", "was associated with ...", "(95% CI ...)", "P < .001").
+_FINDING = re.compile(
+    r"\b(?:significant(?:ly)?|increas\w*|decreas\w*|reduc\w*|higher|lower|greater|less|more|fewer|improv\w*"
+    r"|associat\w*|correlat\w*|linked|risks?|ratios?|odds|hazards?|show(?:s|ed|n)?|found|finds?|findings?"
+    r"|reveal\w*|demonstrat\w*|suggest\w*|indicat\w*|conclu\w*|results?|resulted|led|leads?|caus\w*|induc\w*"
+    r"|inhibit\w*|prevent\w*|promot\w*|enhanc\w*|impair\w*|requir\w*|depend\w*|no\s+(?:difference|effect|evidence)"
+    r"|not|effect(?:ive|s)?|prevalence|incidence)\b|%|\bp\s*[<=>]|\bCI\b",
     re.IGNORECASE,
 )
 #: A later label that reports what was found: a strip that runs on into it states a finding.
@@ -155,10 +184,12 @@ def states_an_aim(question: str, text: str) -> bool:
 
 
 def describes_methods(question: str, text: str) -> bool:
-    """Whether ``text`` is only a structured abstract's section on how a study was done (``_METHODS_LABEL``)
-    and ``question`` is a claim (``asks``). "DESIGN Randomised controlled trial in 36 medical centres" names the
-    claim's drug and disease and verifies nothing about them; a question ("How many patients took part?") may
-    be answered by it.
+    """Whether ``text`` only says how a study was done and ``question`` is a claim (``asks``): a structured
+    abstract's methods section (``_METHODS_LABEL``), or, unlabelled, a strip that states what was done
+    (``_PROCEDURE``: "Fasting blood samples ... were taken", "We compared amitriptyline in 82 patients") and no
+    finding (``_FINDING``: no comparison, effect, association, significance, share or p-value). "DESIGN
+    Randomised controlled trial in 36 medical centres" names the claim's drug and disease and verifies nothing
+    about them; a question ("How many patients took part?") may be answered by it.
 
     The label is written in capitals ("DESIGN"), followed by a colon ("Design:"), or in title case before a
     capital or a figure ("Design, Setting, and Participants Prospective cohort ..."): "Patients were ..." is a
@@ -167,6 +198,8 @@ def describes_methods(question: str, text: str) -> bool:
     if asks(question):
         return False
     stripped = text.strip()
+    if _PROCEDURE.search(stripped) and not _FINDING.search(stripped):
+        return True
     label = _METHODS_LABEL.match(stripped)
     if not label or _FINDINGS_LABEL.search(stripped, label.end(3)):
         return False
