@@ -15,6 +15,7 @@ from llama_index_crag.answers.extract import (
     QUOTED_HEADER,
     EvidenceQuoter,
     describes_methods,
+    gives_background,
     states_a_gap,
     states_an_aim,
     states_what_is_asked,
@@ -269,6 +270,27 @@ def test_what_is_not_yet_known_is_told_from_what_was_found(question: str, text: 
     assert states_a_gap(question, text) is gap
 
 
+@pytest.mark.parametrize(
+    ("question", "text", "background"),
+    [
+        ("Bariatric surgery reduces cancer.", "BACKGROUND Bariatric surgery is becoming more widespread.", True),
+        ("H. pylori causes gastric cancer.", "\\n BACKGROUND & AIMS H. pylori is an etiologic factor.", True),
+        ("Ovarian reserve predicts infertility.", "Importance Despite lack of evidence, biomarkers are sold.", True),
+        ("Ovarian reserve predicts infertility.", "Background and Purpose Biomarkers are sold.", True),
+        ("Anthrax spores stay deadly.", "CONTEXT Bioterrorist attacks contaminated the Hart building.", True),
+        ("Anthrax spores stay deadly.", "Background: attacks contaminated the Hart building.", True),
+        # A sentence that opens with the word is not a label, and a strip that runs on into its results states one.
+        ("Anthrax spores stay deadly.", "Background radiation was higher in the Hart building.", False),
+        ("Anthrax spores stay deadly.", "Context matters: spores stayed viable for weeks.", False),
+        ("Anthrax spores stay deadly.", "BACKGROUND Attacks. RESULTS Spores stayed viable for weeks.", False),
+        # A question may be answered by what was known before.
+        ("Why was the Hart building studied?", "CONTEXT Bioterrorist attacks contaminated the Hart building.", False),
+    ],
+)
+def test_what_was_known_before_a_study_is_told_from_what_it_found(question: str, text: str, background: bool) -> None:
+    assert gives_background(question, text) is background
+
+
 def test_the_quoter_never_quotes_a_claim_from_how_its_study_was_done() -> None:
     # The design names the claim's drug and disease and grades with it; it verifies nothing about them.
     claim = "Macrolide antibiotics raise the risk of infantile hypertrophic pyloric stenosis."
@@ -282,6 +304,19 @@ def test_the_quoter_never_quotes_a_claim_from_how_its_study_was_done() -> None:
     assert [q.text for q in quoter.quote(claim, nodes).quotes] == [finding]
     # Asked, the design may answer.
     assert describes_methods("Which infants were followed?", design) is False
+
+
+def test_the_quoter_never_quotes_a_claim_from_what_was_known_before_its_study() -> None:
+    # The background states the claim's subject in its words and grades with it; it verifies nothing.
+    claim = "Bariatric surgery lowers the rate of colorectal cancer."
+    background = "BACKGROUND Bariatric surgery is a common treatment that may change the rate of colorectal cancer."
+    finding = "Operated patients had colorectal tumours half as often in ten years of follow-up."
+    texts = [f"{background} {finding}", "Pancreatic enzymes were measured in 40 volunteers after a fast."]
+    scorer = EvidenceScorer(corpus=texts)
+    assert scorer.score_texts(claim, [background, finding])[0] > scorer.score_texts(claim, [background, finding])[1]
+    nodes = [NodeWithScore(node=TextNode(text=t)) for t in texts]
+    quoter = EvidenceQuoter(scorer, max_quotes=1, threshold=0.0, strip_min_tokens=3)
+    assert [q.text for q in quoter.quote(claim, nodes).quotes] == [finding]
 
 
 def test_quotes_keep_document_order_within_a_passage(embed_model: Any) -> None:

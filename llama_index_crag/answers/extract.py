@@ -79,6 +79,14 @@ _FINDING = re.compile(
     r"|not|effect(?:ive|s)?|prevalence|incidence)\b|%|\bp\s*[<=>]|\bCI\b",
     re.IGNORECASE,
 )
+#: The sections of a structured abstract that say what was known before the study, and never what it found:
+#: "BACKGROUND", "CONTEXT", "Importance", "BACKGROUND & AIMS", "Background and Purpose".
+_BACKGROUND_LABEL = re.compile(
+    _LABEL_START + r"((?:background|context|introduction|importance|rationale)"
+    r"(?:\s*(?:,|&|\band\b)\s*(?:aims?|objectives?|purpose|goals?|importance|context|rationale|significance))*)"
+    r"(\s*:)?\s+(\S)",
+    re.IGNORECASE,
+)
 #: A later label that reports what was found: a strip that runs on into it states a finding.
 _FINDINGS_LABEL = re.compile(r"(?:^|[.;]\s+|\\n\s*)(?:results?|conclusions?|findings|interpretation)\b\s*:?\s+\S", re.I)
 #: What a writer says is not yet known, the gap a study sets out to fill: "the role of AMPK in fibrosis is not well
@@ -200,8 +208,25 @@ def describes_methods(question: str, text: str) -> bool:
     stripped = text.strip()
     if _PROCEDURE.search(stripped) and not _FINDING.search(stripped):
         return True
-    label = _METHODS_LABEL.match(stripped)
-    if not label or _FINDINGS_LABEL.search(stripped, label.end(3)):
+    return _opens_section(_METHODS_LABEL, stripped)
+
+
+def gives_background(question: str, text: str) -> bool:
+    """Whether ``text`` is only a structured abstract's background section ("BACKGROUND", "CONTEXT",
+    "Importance", "BACKGROUND & AIMS"; ``_BACKGROUND_LABEL``) and ``question`` is a claim (``asks``): what was
+    known or worried about before the study ("BACKGROUND Bariatric surgery is becoming a more widespread
+    treatment for obesity."), not what it found. It shares the claim's subject and grades with it. Labels are
+    read as ``describes_methods`` reads them, and a strip that runs on into its results states a finding."""
+    return not asks(question) and _opens_section(_BACKGROUND_LABEL, text.strip())
+
+
+def _opens_section(label_pattern: re.Pattern[str], text: str) -> bool:
+    """Whether ``text`` opens with a section label of ``label_pattern`` (group 1 the label's words, group 2 the
+    colon that may follow, group 3 the character that opens the section's text) written as a label: in capitals,
+    followed by a colon, or in title case before a capital or a figure. A strip that runs on into a results or
+    conclusions label states a finding, whatever opened it."""
+    label = label_pattern.match(text)
+    if not label or _FINDINGS_LABEL.search(text, label.end(3)):
         return False
     words, opening = label.group(1), label.group(3)
     return bool(label.group(2) or words.isupper() or (words[:1].isupper() and (opening.isupper() or opening.isdigit())))
@@ -222,7 +247,8 @@ class EvidenceQuoter:
     all strips are scored against the question in one batch with the grader's scorer,
     and the best ``max_quotes`` of those that state what is asked (``states_what_is_asked``),
     not only what their writer set out to learn (``states_an_aim``) or, for a claim, how its study was done
-    (``describes_methods``) or what is not yet known (``states_a_gap``), and clear ``threshold``
+    (``describes_methods``), what was known before it (``gives_background``) or what is not yet known
+    (``states_a_gap``), and clear ``threshold``
     (the strip threshold: what the refiner would keep) are quoted. When none does, nothing
     is quoted and the engine abstains. Quotes are
     ordered as the context is (by grade), and within a passage as the text is, so a
@@ -287,6 +313,7 @@ class EvidenceQuoter:
                 text not in seen
                 and not states_an_aim(question, text)
                 and not describes_methods(question, text)
+                and not gives_background(question, text)
                 and not states_a_gap(question, text)
                 and states_what_is_asked(question, f"{node.node.metadata.get('title') or ''} {strip.graded_text}")
             ):
