@@ -261,7 +261,12 @@ def test_how_a_study_was_done_is_told_from_what_it_found(question: str, text: st
         ("AMPK reduces lung fibrosis.", "However, the role of AMPK in fibrosis is not well understood.", True),
         ("Bariatric surgery harms mental health.", "Whether it affects mental health remains unknown.", True),
         ("Untreated mental disorders are common.", "CONTEXT Little is known about untreated mental disorders.", True),
+        ("Macrophages guard the heart.", "Organ-specific functions of macrophages in the heart are unknown.", True),
+        ("AR drives prostate cancer.", "However, the determinants of AR overexpression are poorly defined.", True),
+        ("Immunosuppression shortens survival.", "CONTEXT Whether it affects survival is unclear.", True),
         ("AMPK reduces lung fibrosis.", "AMPK activation reversed established lung fibrosis in mice.", False),
+        # Its first sentence says what a strip is: findings that name a gap further on are findings.
+        ("Cytokine niches are round.", "Niches are round. Their size is set by consumers. Why is unknown.", False),
         # A question may be answered by what was not known.
         ("Who did not know of the Rhine?", "The Rhine was not known to Herodotus.", False),
     ],
@@ -279,6 +284,11 @@ def test_what_is_not_yet_known_is_told_from_what_was_found(question: str, text: 
         ("Ovarian reserve predicts infertility.", "Background and Purpose Biomarkers are sold.", True),
         ("Anthrax spores stay deadly.", "CONTEXT Bioterrorist attacks contaminated the Hart building.", True),
         ("Anthrax spores stay deadly.", "Background: attacks contaminated the Hart building.", True),
+        # Unlabelled, what earlier work found or what is generally held is background too.
+        ("Autophagy shapes insulin resistance.", "A recent study has shown more autophagy in obese fat.", True),
+        ("Macrophages renew themselves.", "The dogma remains that macrophages derive from monocytes.", True),
+        ("T6SS kills cells.", "The T6SS is thought to attack cells with a spike.", True),
+        ("T6SS kills cells.", "Here we show that the T6SS kills cells with a spike.", False),
         # A sentence that opens with the word is not a label, and a strip that runs on into its results states one.
         ("Anthrax spores stay deadly.", "Background radiation was higher in the Hart building.", False),
         ("Anthrax spores stay deadly.", "Context matters: spores stayed viable for weeks.", False),

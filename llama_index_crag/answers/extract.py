@@ -12,6 +12,7 @@ from llama_index.core.schema import NodeWithScore
 from llama_index_crag.core.refiner import Strip, decompose, kept_strips
 from llama_index_crag.scorers.answer_type import asked_kinds, asks, holds_kind
 from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.stores.chunking import split_sentences
 
 #: Figures and codes a question names: years, quarters, versions, regions ("2023", "Q2", "7.2.1", "EU-2").
 _CODES = re.compile(r"[\w-]*\d(?:[\w-]|\.\d)*")
@@ -87,6 +88,24 @@ _BACKGROUND_LABEL = re.compile(
     r"(\s*:)?\s+(\S)",
     re.IGNORECASE,
 )
+#: What earlier work found or what is generally held, as an abstract's background reports it: "A recent study has
+#: shown ...", "Numerous reports have demonstrated ...", "is thought to ...", "accumulating evidence", "the dogma".
+_PRIOR_WORK = re.compile(
+    r"\b(?:(?:previous|prior|earlier|recent|several|many|numerous|other)\s+(?:\w+\s+)?(?:studies|reports|work|research"
+    r"|investigations|trials|data|findings|evidence|observations)\s+(?:have|has|had|suggest|suggested|show|showed"
+    r"|shown|indicate|indicated|demonstrate|demonstrated|support)"
+    r"|(?:a|one)\s+recent\s+(?:study|report|trial|analysis)\s+(?:has|had)"
+    r"|(?:has|have)\s+(?:been\s+)?(?:previously|recently|widely|extensively|repeatedly|long)\s+(?:been\s+)?(?:shown"
+    r"|reported|suggested|proposed|implicated|described|demonstrated|recogni[sz]ed|studied|known|established|observed"
+    r"|considered|thought|believed|used)"
+    r"|(?:is|are|was|were)\s+(?:widely\s+|well\s+|generally\s+|commonly\s+)?(?:known|thought|believed|considered"
+    r"|recogni[sz]ed|accepted|established)\s+(?:to|that|as)"
+    r"|it\s+(?:is|has\s+been)\s+(?:well\s+)?(?:known|established|accepted|recogni[sz]ed|shown|suggested|proposed)\s+that"
+    r"|there\s+(?:have|has)\s+been\s+(?:many|several|numerous|some|few|growing|increasing)"
+    r"|(?:accumulating|growing|increasing|emerging|mounting)\s+(?:body\s+of\s+)?evidence"
+    r"|the\s+dogma)\b",
+    re.IGNORECASE,
+)
 #: A later label that reports what was found: a strip that runs on into it states a finding.
 _FINDINGS_LABEL = re.compile(r"(?:^|[.;]\s+|\\n\s*)(?:results?|conclusions?|findings|interpretation)\b\s*:?\s+\S", re.I)
 #: What a writer says is not yet known, the gap a study sets out to fill: "the role of AMPK in fibrosis is not well
@@ -94,9 +113,10 @@ _FINDINGS_LABEL = re.compile(r"(?:^|[.;]\s+|\\n\s*)(?:results?|conclusions?|find
 _UNKNOWN = re.compile(
     r"\b(?:remains?|remained)\s+(?:largely\s+|still\s+|as\s+yet\s+)?(?:unknown|unclear|elusive|uncertain|unexplored"
     r"|obscure|controversial|to\s+be\s+(?:determined|established|elucidated|clarified))\b"
-    r"|\b(?:is|are|was|were|has\s+been|have\s+been)\s+(?:still\s+)?(?:not\s+(?:well\s+|fully\s+|yet\s+|completely\s+)?"
-    r"(?:understood|known|established|characteri[sz]ed|defined|clear)|(?:poorly|incompletely|little)\s+"
-    r"(?:understood|known|characteri[sz]ed|studied))\b"
+    r"|\b(?:is|are|was|were|has\s+been|have\s+been)\s+(?:still\s+|largely\s+|currently\s+|as\s+yet\s+)?"
+    r"(?:not\s+(?:well\s+|fully\s+|yet\s+|completely\s+)?(?:understood|known|established|characteri[sz]ed|defined|clear)"
+    r"|(?:poorly|incompletely|little)\s+(?:understood|known|characteri[sz]ed|studied|defined)"
+    r"|unknown|unclear|uncertain|undetermined|unexplored|elusive)\b"
     r"|\blittle\s+is\s+known\b|\bit\s+is\s+(?:not\s+(?:yet\s+)?known|unknown|unclear)\b",
     re.IGNORECASE,
 )
@@ -216,8 +236,11 @@ def gives_background(question: str, text: str) -> bool:
     "Importance", "BACKGROUND & AIMS"; ``_BACKGROUND_LABEL``) and ``question`` is a claim (``asks``): what was
     known or worried about before the study ("BACKGROUND Bariatric surgery is becoming a more widespread
     treatment for obesity."), not what it found. It shares the claim's subject and grades with it. Labels are
-    read as ``describes_methods`` reads them, and a strip that runs on into its results states a finding."""
-    return not asks(question) and _opens_section(_BACKGROUND_LABEL, text.strip())
+    read as ``describes_methods`` reads them, and a strip that runs on into its results states a finding.
+    Unlabelled, a strip that reports what earlier work found or what is generally held (``_PRIOR_WORK``: "A
+    recent study has shown an increased autophagic activity ...", "the dogma remains that ...") is background
+    too."""
+    return not asks(question) and (_opens_section(_BACKGROUND_LABEL, text.strip()) or bool(_PRIOR_WORK.search(text)))
 
 
 def _opens_section(label_pattern: re.Pattern[str], text: str) -> bool:
@@ -233,11 +256,17 @@ def _opens_section(label_pattern: re.Pattern[str], text: str) -> bool:
 
 
 def states_a_gap(question: str, text: str) -> bool:
-    """Whether ``text`` says what is not yet known (``_UNKNOWN``: "However, the role of AMPK in fibrosis is not well
-    understood") and ``question`` is a claim (``asks``). It shares the claim's subject and verifies nothing about
-    it. A question may be answered by one ("Is the cause known?", or "The Rhine was not known to Herodotus" for
-    "Who did not know of the Rhine?")."""
-    return not asks(question) and bool(_UNKNOWN.search(text))
+    """Whether ``text`` opens with what is not yet known (``_UNKNOWN``: "However, the role of AMPK in fibrosis is not
+    well understood", "Organ-specific functions of macrophages in the heart are unknown", "the determinants of AR
+    overexpression are poorly defined") and ``question`` is a claim (``asks``). It shares the claim's subject and
+    verifies nothing about it. A question may be answered by one ("Is the cause known?", or "The Rhine was not known
+    to Herodotus" for "Who did not know of the Rhine?")."""
+    if asks(question):
+        return False
+    # Its first sentence says what a strip is: one that opens with findings and names a gap further on (a
+    # graphical abstract's highlights run together) states the findings.
+    first = split_sentences(text.strip())[:1]
+    return bool(first and _UNKNOWN.search(first[0]))
 
 
 class EvidenceQuoter:
