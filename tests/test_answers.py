@@ -203,17 +203,22 @@ def test_what_a_writer_set_out_to_learn_is_told_from_what_it_found(question: str
     assert states_an_aim(question, text) is aim
 
 
+def quoted_over(claim: str, distractor: str, finding: str) -> List[str]:
+    """The one quote for ``claim`` from a passage whose ``distractor`` grades above its ``finding`` (asserted)."""
+    texts = [f"{distractor} {finding}", "Pancreatic enzymes were measured in 40 volunteers after a fast."]
+    scorer = EvidenceScorer(corpus=texts)
+    assert scorer.score_texts(claim, [distractor, finding])[0] > scorer.score_texts(claim, [distractor, finding])[1]
+    nodes = [NodeWithScore(node=TextNode(text=t)) for t in texts]
+    quotes = EvidenceQuoter(scorer, max_quotes=1, threshold=0.0, strip_min_tokens=3).quote(claim, nodes).quotes
+    return [q.text for q in quotes]
+
+
 def test_the_quoter_never_quotes_a_hypothesis_for_the_finding() -> None:
     # The hypothesis shares every word of the claim and grades best; quoted, it would read as the evidence.
     claim = "Elevated cell-free mitochondrial DNA levels are associated with mortality in intensive care."
     hypothesis = "We hypothesized that elevated cell-free mitochondrial DNA levels are associated with mortality."
     finding = "In intensive care, patients with elevated mitochondrial DNA levels died more often within 28 days."
-    texts = [f"{hypothesis} {finding}", "Pancreatic enzymes were measured in 40 volunteers after a fast."]
-    scorer = EvidenceScorer(corpus=texts)
-    assert scorer.score_texts(claim, [hypothesis, finding])[0] > scorer.score_texts(claim, [hypothesis, finding])[1]
-    nodes = [NodeWithScore(node=TextNode(text=t)) for t in texts]
-    quotes = EvidenceQuoter(scorer, max_quotes=1, threshold=0.0, strip_min_tokens=3).quote(claim, nodes).quotes
-    assert [q.text for q in quotes] == [finding]
+    assert quoted_over(claim, hypothesis, finding) == [finding]
 
 
 @pytest.mark.parametrize(
@@ -306,12 +311,7 @@ def test_the_quoter_never_quotes_a_claim_from_how_its_study_was_done() -> None:
     claim = "Macrolide antibiotics raise the risk of infantile hypertrophic pyloric stenosis."
     design = "DESIGN Nationwide cohort of infants exposed to macrolide antibiotics, followed for pyloric stenosis."
     finding = "Infants exposed to macrolides in the first two weeks of life had pyloric stenosis 30 times as often."
-    texts = [f"{design} {finding}", "Pancreatic enzymes were measured in 40 volunteers after a fast."]
-    scorer = EvidenceScorer(corpus=texts)
-    assert scorer.score_texts(claim, [design, finding])[0] > scorer.score_texts(claim, [design, finding])[1]
-    nodes = [NodeWithScore(node=TextNode(text=t)) for t in texts]
-    quoter = EvidenceQuoter(scorer, max_quotes=1, threshold=0.0, strip_min_tokens=3)
-    assert [q.text for q in quoter.quote(claim, nodes).quotes] == [finding]
+    assert quoted_over(claim, design, finding) == [finding]
     # Asked, the design may answer.
     assert describes_methods("Which infants were followed?", design) is False
 
@@ -321,12 +321,7 @@ def test_the_quoter_never_quotes_a_claim_from_what_was_known_before_its_study() 
     claim = "Bariatric surgery lowers the rate of colorectal cancer."
     background = "BACKGROUND Bariatric surgery is a common treatment that may change the rate of colorectal cancer."
     finding = "Operated patients had colorectal tumours half as often in ten years of follow-up."
-    texts = [f"{background} {finding}", "Pancreatic enzymes were measured in 40 volunteers after a fast."]
-    scorer = EvidenceScorer(corpus=texts)
-    assert scorer.score_texts(claim, [background, finding])[0] > scorer.score_texts(claim, [background, finding])[1]
-    nodes = [NodeWithScore(node=TextNode(text=t)) for t in texts]
-    quoter = EvidenceQuoter(scorer, max_quotes=1, threshold=0.0, strip_min_tokens=3)
-    assert [q.text for q in quoter.quote(claim, nodes).quotes] == [finding]
+    assert quoted_over(claim, background, finding) == [finding]
 
 
 def test_quotes_keep_document_order_within_a_passage(embed_model: Any) -> None:

@@ -117,7 +117,7 @@ _UNKNOWN = re.compile(
     r"(?:not\s+(?:well\s+|fully\s+|yet\s+|completely\s+)?(?:understood|known|established|characteri[sz]ed|defined|clear)"
     r"|(?:poorly|incompletely|little)\s+(?:understood|known|characteri[sz]ed|studied|defined)"
     r"|unknown|unclear|uncertain|undetermined|unexplored|elusive)\b"
-    r"|\blittle\s+is\s+known\b|\bit\s+is\s+(?:not\s+(?:yet\s+)?known|unknown|unclear)\b",
+    r"|\blittle\s+is\s+known\b",
     re.IGNORECASE,
 )
 #: A question about aims themselves ("What did the study set out to find?") may be answered by one.
