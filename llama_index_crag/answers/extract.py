@@ -334,8 +334,11 @@ class EvidenceQuoter:
             scores[i] = float(score)
         ranked = sorted(range(len(found)), key=lambda i: -scores[i])
         seen: set[str] = set()
-        eligible = []
+        chosen: List[int] = []
         for i in ranked:
+            # Best first: a strip under the threshold, or past the quotes wanted, is never quoted.
+            if len(chosen) == self.max_quotes or not scores[i] >= self.threshold:
+                break
             strip, node = found[i][2], found[i][3]
             text = " ".join(strip.text.split())
             if (
@@ -347,8 +350,7 @@ class EvidenceQuoter:
                 and states_what_is_asked(question, f"{node.node.metadata.get('title') or ''} {strip.graded_text}")
             ):
                 seen.add(text)
-                eligible.append(i)
-        chosen = [i for i in eligible[: self.max_quotes] if scores[i] >= self.threshold]
+                chosen.append(i)
         chosen.sort(key=lambda i: found[i][:2])
         quotes = [
             Quote(
