@@ -171,6 +171,13 @@ def test_the_quote_threshold_is_lower_by_default(sample_index: VectorStoreIndex)
         ("76-85% of serious cases receive no treatment.", "76.3% of serious cases had none.", False),
         ("How long did the EU-2 outage last?", "The EU-2 outage lasted 4 hours.", True),
         ("How long did the EU-2 outage last?", "The EU-2 outage began at 09:10.", False),
+        # A code's hyphens are spelling, and a word joined to it only describes it; its letters and digits are not.
+        ("C2 works with A-769662 to activate AMPK.", "C2 acts synergistically with the drug A769662.", True),
+        ("GATA3 regulates stem cell renewal.", "GATA-3 is required for the maintenance of LT-HSCs.", True),
+        ("Sirt1 acts in Sf1-expressing neurons.", "Mice overexpressing SIRT1 in SF1 neurons resist obesity.", True),
+        ("GATA3 regulates stem cell renewal.", "GATA-2 is required for the maintenance of LT-HSCs.", False),
+        ("How long did the EU-2 outage last?", "The EU-3 outage lasted 4 hours.", False),
+        ("How fast is a P1 ticket answered?", "Harbor is hosted in AP-1, Sydney, within 4 hours.", False),
         # A claim's "who" and "where" open clauses: it asks for no person and no place, only its figures.
         ("Students who perform poorly are at risk of misconduct.", "Poor performance predicted misconduct.", True),
         ("Risk depends on where the BRCA1 mutation is located.", "BRCA1 risk varied with the mutation's site.", True),

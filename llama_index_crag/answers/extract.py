@@ -20,6 +20,11 @@ _CODES = re.compile(r"[\w-]*\d(?:[\w-]|\.\d)*")
 _NUMBER_RANGE = re.compile(r"\d+(?:\.\d+)?-\d+(?:\.\d+)?")
 #: The space a text may put between a number and its unit ("40 mg" for "40mg").
 _UNIT_GAP = re.compile(r"(?<=\d)\s+(?=[^\W\d_])")
+#: A word that describes a code rather than belongs to it ("SF1-expressing neurons", "UCP1-dependent", "M2-like").
+_CODE_SUFFIX = re.compile(
+    r"-(?:(?:in)?dependent|expressing|like|induced|mediated|deficient|positive|negative|specific|related|associated"
+    r"|containing|derived|type)$"
+)
 #: Where a structured abstract's section label stands: first, after punctuation, a line break, or a line break
 #: written out as the two characters ``\n`` (as abstracts exported to JSON twice over hold it).
 _LABEL_START = r"^(?:[\W_]|(?<=\\)n\b)*"
@@ -188,8 +193,9 @@ def states_what_is_asked(question: str, text: str) -> bool:
     "how long", a date for "when", a name for "who"), and every figure or code the question names ("Q2 2023",
     "EU-2", "7.2.1"). A strip about Q3 does not answer a question about Q2, however well it grades.
 
-    A number may stand apart from its unit ("40 mg" states "40mg"), and a range of numbers is stated when both
-    of its ends are ("76-85%" by "76.3% to 85.4%").
+    A number may stand apart from its unit ("40 mg" states "40mg"), a code may be written with or without its
+    hyphens ("SHP-2" and "SHP2", "GATA3" and "GATA-3") and without a word that only describes it ("SF1" states
+    "SF1-expressing"), and a range of numbers is stated when both of its ends are ("76-85%" by "76.3% to 85.4%").
 
     A claim asks for no kind of answer (``asked_kinds``), so only its figures must be stated."""
     kinds = asked_kinds(question)
@@ -197,10 +203,22 @@ def states_what_is_asked(question: str, text: str) -> bool:
         return False
     lowered = _UNIT_GAP.sub("", text.casefold())
     for code in _CODES.findall(question.casefold()):
-        ends = code.split("-") if _NUMBER_RANGE.fullmatch(code) else [code]
-        if not all(end in lowered for end in ends):
+        if _NUMBER_RANGE.fullmatch(code):
+            if not all(end in lowered for end in code.split("-")):
+                return False
+        elif not _states_code(code, lowered):
             return False
     return True
+
+
+def _states_code(code: str, text: str) -> bool:
+    """Whether casefolded ``text`` states ``code`` as written, or as a word of its own with its hyphens moved
+    and without a describing suffix ("gata-3" states "gata3", "sf1 neurons" states "sf1-expressing"; "ap-1" does
+    not state "p1")."""
+    if code in text:
+        return True
+    core = _CODE_SUFFIX.sub("", code).replace("-", "")
+    return bool(core) and re.search(r"(?<![^\W_])" + "-?".join(map(re.escape, core)), text) is not None
 
 
 def states_an_aim(question: str, text: str) -> bool:
