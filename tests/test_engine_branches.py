@@ -12,6 +12,7 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from llama_index_crag import FallbackRetriever
+from llama_index_crag.deadline import step_deadline
 from llama_index_crag.scorers import UpstreamScoreScorer
 
 from .conftest import ALPHA, BETA, GAMMA, MarkerScorer, ScriptedLLM, make_engine
@@ -221,6 +222,37 @@ async def test_async_fallback_past_the_time_budget_abstains() -> None:
     response = await engine.aquery("How much money does project A get?")
     assert time.monotonic() - started < 2.5
     _assert_abstained(response, "ran past the 0.5 s correction budget", llm)
+
+
+class DeadlineRecorder(BaseRetriever):
+    """Records the deadline its step runs under, as a part that can stop early reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: List[Any] = []
+
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        self.seen.append(step_deadline())
+        return []
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        self.seen.append(step_deadline())
+        return []
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+async def test_a_step_of_the_correction_path_runs_under_its_deadline(is_async: bool) -> None:
+    recorder = DeadlineRecorder()
+    engine = make_engine(
+        MarkerScorer({}), ScriptedLLM(), fallback=FallbackRetriever({"recorder": recorder}), correction_timeout_s=5.0
+    )
+    if is_async:
+        await engine.aquery("How much money does project A get?")
+    else:
+        engine.query("How much money does project A get?")
+    finished = time.monotonic()
+    assert recorder.seen and all(d is not None and finished < d <= finished + 5.0 for d in recorder.seen)
+    assert step_deadline() is None  # set for the step only
 
 
 def test_max_rewrites_caps_the_loop() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -15,6 +16,8 @@ from llama_index.llms.ollama import Ollama
 
 from llama_index_crag import CorrectiveQueryEngine, RewrittenQuery
 from llama_index_crag.core.rewrite import DEFAULT_REWRITE_PROMPT
+from llama_index_crag.deadline import running_until
+from llama_index_crag.errors import CorrectiveTimeout
 from llama_index_crag.local.bundled import bundled_embedding_path
 from llama_index_crag.scorers import CrossEncoderScorer, UpstreamScoreScorer
 
@@ -47,6 +50,36 @@ def test_a_rewrite_cut_at_the_bundled_models_token_cap_still_parses() -> None:
         RewrittenQuery, DEFAULT_REWRITE_PROMPT, query="What was Harbor Pro churn in Q1 excl. trials?"
     )
     assert isinstance(result, RewrittenQuery) and result.query.strip()
+
+
+def test_the_bundled_model_stops_at_its_steps_deadline_and_is_free_for_the_next_call(llama_cpp_llm: Any) -> None:
+    from llama_index_crag.local.llamacpp import _stop_at
+
+    story = "Tell me a long story about a lighthouse keeper."
+    cut = llama_cpp_llm._model(prompt=story, max_tokens=48, temperature=0.0, stopping_criteria=_stop_at(0.0))
+    assert cut["usage"]["completion_tokens"] <= 1  # a deadline already past stops it at its first token
+    with running_until(time.monotonic()), pytest.raises(CorrectiveTimeout):  # a cut text is not an answer
+        llama_cpp_llm.complete(story)
+    with running_until(time.monotonic()), pytest.raises(CorrectiveTimeout):
+        llama_cpp_llm.structured_predict(RewrittenQuery, DEFAULT_REWRITE_PROMPT, query="Harbor churn in Q1?")
+    llama_cpp_llm._lock.acquire()  # another query's call holds the model
+    try:
+        with running_until(time.monotonic() + 0.2), pytest.raises(CorrectiveTimeout):
+            llama_cpp_llm.structured_predict(RewrittenQuery, DEFAULT_REWRITE_PROMPT, query="Harbor churn in Q1?")
+    finally:
+        llama_cpp_llm._lock.release()
+    assert "stopping_criteria" not in llama_cpp_llm.generate_kwargs
+    assert str(llama_cpp_llm.complete("Name one colour.")).strip()  # the model is free, with no deadline
+
+
+def test_the_bundled_model_runs_on_the_cores_the_process_may_use() -> None:
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from llama_index_crag.local.llamacpp import BundledLlamaCPP; "
+        "print(BundledLlamaCPP().model_kwargs['n_threads'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split()[-1] == "1"
 
 
 def test_the_bundled_generator_quotes_by_default_and_its_generated_answers_are_checked(

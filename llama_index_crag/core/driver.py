@@ -5,7 +5,8 @@ The loop (``CorrectiveQueryEngine._loop``) is one generator for both ``query`` a
 and gets the result, or the error, sent back. ``drive`` runs the steps in the calling
 thread (a step with a limit in a daemon thread that is abandoned when the limit passes);
 ``adrive`` awaits them with ``asyncio.wait_for``. Both turn a step past its limit into
-``CorrectiveTimeout``. ``text_response`` and ``check_when_streamed`` shape what the loop returns.
+``CorrectiveTimeout``, and set the step's deadline (``llama_index_crag.deadline``) for the parts
+that can stop at it. ``text_response`` and ``check_when_streamed`` shape what the loop returns.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Awaitable, Callable, Dict, Generator, List, Optional, Se
 from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.schema import NodeWithScore
 
+from llama_index_crag.deadline import running_until
 from llama_index_crag.errors import CorrectiveTimeout
 
 
@@ -69,7 +71,9 @@ async def adrive(loop: Loop) -> RESPONSE_TYPE:
     while not isinstance(step := advance(loop, outcome), Done):
         try:
             limit = None if step.timeout_s is None else max(step.timeout_s, 0.0)
-            outcome = (await asyncio.wait_for(step.arun(), limit), None)
+            with running_until(None if limit is None else time.monotonic() + limit):
+                # The task wait_for starts, and any thread it hands work to, inherit the deadline.
+                outcome = (await asyncio.wait_for(step.arun(), limit), None)
         except asyncio.TimeoutError:
             outcome = (None, CorrectiveTimeout())
         except Exception as exc:
@@ -151,7 +155,8 @@ def check_when_streamed(response: RESPONSE_TYPE, finish: Callable[[str, Optional
 
 
 def run_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float]) -> Any:
-    """Run ``fn``; with a limit, in a daemon thread that is abandoned when the limit passes."""
+    """Run ``fn``; with a limit, in a daemon thread that is abandoned when the limit passes (``fn`` sees the
+    deadline as ``deadline.step_deadline()``)."""
     if timeout_s is None:
         return fn()
     if timeout_s <= 0:
@@ -159,10 +164,15 @@ def run_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float]) -> Any:
     outcome: Dict[str, Any] = {}
     finished = threading.Event()
     context = contextvars.copy_context()
+    deadline = time.monotonic() + timeout_s
+
+    def until_deadline() -> Any:
+        with running_until(deadline):  # so that a part that can stop early stops when the step is abandoned
+            return fn()
 
     def target() -> None:
         try:
-            outcome["value"] = context.run(fn)
+            outcome["value"] = context.run(until_deadline)
         except BaseException as exc:  # handed to the caller below
             outcome["error"] = exc
         finally:

@@ -5,16 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import threading
-from typing import Any, AsyncIterator, Dict, Generator, List, Optional, Sequence, Type
+import time
+from typing import Any, AsyncIterator, Dict, Generator, Iterator, List, Optional, Sequence, Type
 
 from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.llms import ChatMessage
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.types import Model
 
-from llama_index_crag.errors import MissingDependency
+from llama_index_crag.deadline import seconds_left, step_deadline
+from llama_index_crag.errors import CorrectiveTimeout, MissingDependency
 
 try:
     from llama_index.llms.llama_cpp import LlamaCPP
@@ -81,12 +84,25 @@ def chatml_completion_to_prompt(completion: str) -> str:
     return chatml_messages_to_prompt([ChatMessage(role="user", content=completion)])
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or ``taskset``'s share), at least 1."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not on Linux
+        return max(os.cpu_count() or 1, 1)
+
+
 class BundledLlamaCPP(LlamaCPP):
     """llama.cpp with ChatML prompts, a lock, and grammar-constrained structured output.
 
     ``structured_predict`` constrains decoding with a grammar compiled from the output
     model's JSON schema, so even a 135M model returns valid JSON for the schema.
-    Calls to the model are serialised: llama.cpp contexts are not thread-safe.
+    Calls to the model are serialised: llama.cpp contexts are not thread-safe. Inside a
+    step with a time limit (``llama_index_crag.deadline``), a call waits for the model no
+    longer than the step may run (``CorrectiveTimeout``) and stops generating at the
+    deadline, so an abandoned rewrite does not hold the model for the queries after it.
+    The model runs on as many threads as the process has cores (``usable_cores``): more
+    threads than cores slow llama.cpp down by an order of magnitude.
     """
 
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
@@ -94,7 +110,7 @@ class BundledLlamaCPP(LlamaCPP):
     def __init__(self, model_path: Optional[str] = None, context_window: int = 4096, **kwargs: Any) -> None:
         kwargs.setdefault("temperature", 0.0)
         kwargs.setdefault("max_new_tokens", 128)
-        kwargs.setdefault("model_kwargs", {"seed": 0, "n_threads": 2})
+        kwargs.setdefault("model_kwargs", {"seed": 0, "n_threads": usable_cores()})
         super().__init__(
             model_path=str(model_path or bundled_gguf_path()),
             context_window=context_window,
@@ -108,13 +124,30 @@ class BundledLlamaCPP(LlamaCPP):
     def class_name(cls) -> str:
         return "BundledLlamaCPP"
 
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """Hold the model, waiting no longer than the running step may run; its generation stops at the step's
+        deadline, and a call that ran to the deadline raises ``CorrectiveTimeout`` rather than return a cut text.
+        (``generate_kwargs`` is the model's own, and only the holder of the lock reads it.)"""
+        wait, deadline = seconds_left(), step_deadline()
+        if not self._lock.acquire(timeout=-1 if wait is None else wait):
+            raise CorrectiveTimeout()
+        self.generate_kwargs["stopping_criteria"] = _stop_at(deadline)
+        try:
+            yield
+            if deadline is not None and time.monotonic() >= deadline:  # cut short: not an answer
+                raise CorrectiveTimeout()
+        finally:
+            self.generate_kwargs.pop("stopping_criteria", None)
+            self._lock.release()
+
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
-        with self._lock:
+        with self._turn():
             return super().complete(prompt, formatted=formatted, **kwargs)
 
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
         lock = self._lock
-        with lock:
+        with self._turn():  # the stream's own generator takes its stopping criteria now
             inner = super().stream_complete(prompt, formatted=formatted, **kwargs)
 
         def locked() -> Any:
@@ -148,8 +181,14 @@ class BundledLlamaCPP(LlamaCPP):
         grammar = json_grammar(output_cls.model_json_schema())
         to_prompt = self.completion_to_prompt or chatml_completion_to_prompt
         text = to_prompt(prompt.format(llm=self, **prompt_args))
-        with self._lock:
-            out = self._model(prompt=text, grammar=grammar, max_tokens=self.max_new_tokens, temperature=0.0)
+        with self._turn():
+            out = self._model(
+                prompt=text,
+                grammar=grammar,
+                max_tokens=self.max_new_tokens,
+                temperature=0.0,
+                stopping_criteria=_stop_at(step_deadline()),
+            )
         choice = out["choices"][0]
         if choice.get("finish_reason") == "length":  # cut at max_new_tokens: a valid prefix, closed if it can be
             return output_cls.model_validate_json(close_json_prefix(choice["text"]))
@@ -163,6 +202,15 @@ class BundledLlamaCPP(LlamaCPP):
         **prompt_args: Any,
     ) -> Model:
         return await asyncio.to_thread(lambda: self.structured_predict(output_cls, prompt, llm_kwargs, **prompt_args))
+
+
+def _stop_at(deadline: Optional[float]) -> Any:
+    """llama.cpp stopping criteria that end a generation at ``deadline`` (None: none)."""
+    if deadline is None:
+        return None
+    from llama_cpp import StoppingCriteriaList
+
+    return StoppingCriteriaList([lambda _tokens, _logits: time.monotonic() >= deadline])
 
 
 async def _pulled_in_threads(tokens: Generator[Any, None, None]) -> AsyncIterator[Any]:
