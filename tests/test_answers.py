@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, List, Optional, Sequence
 
 import pytest
@@ -85,6 +86,30 @@ def test_a_failed_llm_rewrite_searches_with_the_question_keywords_instead_of_abs
     )
     assert not trace["abstained"], trace["abstain_reason"]
     assert response.source_nodes[0].node.node_id == "alpha"
+
+
+def slow_rewrite(prompt: str) -> str:
+    time.sleep(1.5)  # a large model on a busy CPU
+    return '{"query": "alpha project budget"}'
+
+
+def test_a_rewrite_past_its_own_limit_searches_with_the_keywords_in_the_time_left() -> None:
+    engine = make_engine(
+        MarkerScorer(ALPHA_SCORER), ScriptedLLM(rewrite=slow_rewrite), correction_timeout_s=5.0, rewrite_timeout_s=0.2
+    )
+    response = engine.query("How much money does project A get?")
+    trace = crag(response)
+    assert "ran past its 0.2 s limit" in trace["rewrite_error"] and trace["rewrite_source"] == "keyword"
+    assert not trace["abstained"], trace["abstain_reason"]
+    assert response.source_nodes[0].node.node_id == "alpha"
+
+
+def test_a_rewrite_that_spends_the_whole_correction_budget_abstains() -> None:
+    engine = make_engine(
+        MarkerScorer(ALPHA_SCORER), ScriptedLLM(rewrite=slow_rewrite), correction_timeout_s=0.3, rewrite_timeout_s=5.0
+    )
+    trace = crag(engine.query("How much money does project A get?"))
+    assert trace["abstained"] and "ran past the 0.3 s correction budget" in trace["abstain_reason"]
 
 
 def test_a_good_llm_rewrite_is_used_and_said_so() -> None:

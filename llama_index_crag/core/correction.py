@@ -113,18 +113,27 @@ class CorrectionSteps:
     def _rewrite(self, search: str, question: str, trace: CragTrace, deadline: float) -> Generator[Io, Any, str]:
         """The LLM's rewrite of ``search``; when it fails (or there is no LLM), the question's keywords.
 
-        A small model's JSON rewrite is often invalid, empty, unchanged or noise: the
-        deterministic keyword rewrite (``keyword_query``) replaces it, so the engine never
-        abstains for a broken rewrite, only for missing evidence.
+        A small model's JSON rewrite is often invalid, empty, unchanged or noise, and a large
+        model on a CPU can be slow: the deterministic keyword rewrite (``keyword_query``)
+        replaces a failed one, and one past ``rewrite_timeout_s`` while the correction budget
+        has time left, so the engine never abstains for a broken rewrite, only for missing
+        evidence.
         """
         if self._rewriter is not None:
             rewriter = self._rewriter
+            own = self.settings.rewrite_timeout_s or self.settings.correction_timeout_s / 2
             try:
-                rewritten = yield Io(bind(rewriter.rewrite, search), bind(rewriter.arewrite, search), left(deadline))
+                rewritten = yield Io(
+                    bind(rewriter.rewrite, search), bind(rewriter.arewrite, search), min(left(deadline), own)
+                )
                 trace.rewrite_source = "llm"
                 return str(rewritten)
             except RewriteError as exc:
                 trace.rewrite_error = str(exc)
+            except CorrectiveTimeout:
+                if left(deadline) <= 0:  # the whole budget is spent: nothing left to search with
+                    raise
+                trace.rewrite_error = f"the LLM rewrite ran past its {own:g} s limit (rewrite_timeout_s)"
         trace.rewrite_source = "keyword"
         return keyword_query(question)
 

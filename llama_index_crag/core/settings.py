@@ -99,6 +99,12 @@ class CragSettings(OwnSources):
         description="Put each candidate's explanation (features, contributions, missing query words) in the trace.",
     )
     correction_timeout_s: float = Field(default=30.0, gt=0, description="Time budget of the whole correction path.")
+    rewrite_timeout_s: Optional[float] = Field(
+        default=None,
+        gt=0,
+        description="Time limit of each LLM rewrite; past it the question's keywords are searched in the time the "
+        "correction budget has left. None: half of correction_timeout_s.",
+    )
     # The one query limit: the server refuses with this value too. 8,000 characters (about 1,500 words) leaves
     # room for a question that quotes a paragraph or an error log; anything longer is a document, not a question,
     # and embedding and grading it would cost every other query on the machine its time.
