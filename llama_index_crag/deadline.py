@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import time
 from typing import Iterator, Optional
 
 _DEADLINE: contextvars.ContextVar[Optional[float]] = contextvars.ContextVar("crag_step_deadline", default=None)
@@ -20,12 +19,6 @@ _DEADLINE: contextvars.ContextVar[Optional[float]] = contextvars.ContextVar("cra
 def step_deadline() -> Optional[float]:
     """The running step's deadline (``time.monotonic()`` seconds), or None outside a step with a limit."""
     return _DEADLINE.get()
-
-
-def seconds_left() -> Optional[float]:
-    """What is left of the running step's time limit (0 once it has passed), or None without one."""
-    deadline = _DEADLINE.get()
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from llama_index.core.llms import ChatMessage
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.types import Model
 
-from llama_index_crag.deadline import seconds_left, step_deadline
+from llama_index_crag.deadline import step_deadline
 from llama_index_crag.errors import CorrectiveTimeout, MissingDependency
 
 try:
@@ -125,16 +125,17 @@ class BundledLlamaCPP(LlamaCPP):
         return "BundledLlamaCPP"
 
     @contextlib.contextmanager
-    def _turn(self) -> Iterator[None]:
-        """Hold the model, waiting no longer than the running step may run; its generation stops at the step's
-        deadline, and a call that ran to the deadline raises ``CorrectiveTimeout`` rather than return a cut text.
-        (``generate_kwargs`` is the model's own, and only the holder of the lock reads it.)"""
-        wait, deadline = seconds_left(), step_deadline()
-        if not self._lock.acquire(timeout=-1 if wait is None else wait):
+    def _turn(self) -> Iterator[Any]:
+        """Hold the model, waiting no longer than the running step may run; yields the stopping criteria that end
+        its generation at the step's deadline (also set in ``generate_kwargs``, which is the model's own and read
+        only by the holder of the lock). A call that ran to the deadline raises ``CorrectiveTimeout`` rather than
+        return a cut text."""
+        deadline = step_deadline()
+        if not self._lock.acquire(timeout=-1 if deadline is None else max(deadline - time.monotonic(), 0.0)):
             raise CorrectiveTimeout()
-        self.generate_kwargs["stopping_criteria"] = _stop_at(deadline)
+        stop = self.generate_kwargs["stopping_criteria"] = _stop_at(deadline)
         try:
-            yield
+            yield stop
             if deadline is not None and time.monotonic() >= deadline:  # cut short: not an answer
                 raise CorrectiveTimeout()
         finally:
@@ -181,13 +182,9 @@ class BundledLlamaCPP(LlamaCPP):
         grammar = json_grammar(output_cls.model_json_schema())
         to_prompt = self.completion_to_prompt or chatml_completion_to_prompt
         text = to_prompt(prompt.format(llm=self, **prompt_args))
-        with self._turn():
+        with self._turn() as stop:
             out = self._model(
-                prompt=text,
-                grammar=grammar,
-                max_tokens=self.max_new_tokens,
-                temperature=0.0,
-                stopping_criteria=_stop_at(step_deadline()),
+                prompt=text, grammar=grammar, max_tokens=self.max_new_tokens, temperature=0.0, stopping_criteria=stop
             )
         choice = out["choices"][0]
         if choice.get("finish_reason") == "length":  # cut at max_new_tokens: a valid prefix, closed if it can be
