@@ -8,6 +8,9 @@ cost; ``--llm llamacpp`` adds the bundled generator, which then bounds throughpu
 
     PYTHONPATH=. python benchmarks/bench_server.py --index INDEX_DIR [--workers 1,2] [--queries 300] [--clients 50]
 
+``--threads auto,2`` measures each worker count with serve's default share of the cores
+and with 2 threads per worker (``--threads`` of ``llama-crag serve``).
+
 (``PYTHONPATH=.``: the load test and the throwaway PostgreSQL live in ``tests/``.)
 
 ``--store postgresql://...`` serves a PostgreSQL store instead (``llama-crag ingest
@@ -40,6 +43,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=50, help="concurrent clients")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every configuration, interleaved (noise)")
     parser.add_argument("--llm", default="none", choices=("none", "llamacpp"), help="generator of the server")
+    parser.add_argument(
+        "--threads",
+        default="auto",
+        help="each worker's model threads to measure: auto (serve's default: the cores shared out) or a number",
+    )
+    parser.add_argument("--crag", default="on,off", help="CRAG on, off or both (on,off)")
     parser.add_argument("--out", default="eval-out/bench_server", help="folder for bench_server.json and .md")
     args = parser.parse_args()
 
@@ -60,9 +69,9 @@ def main() -> None:
         f"{args.queries} queries from {args.clients} concurrent clients, generator: {args.llm}, "
         f"served from {'a PostgreSQL store' if args.store else 'an index folder'}",
         "",
-        "| round | workers | CRAG | queries/s | errors | cross-talk | p50 ms | p95 ms | correct p50 / p95 "
+        "| round | workers | threads | CRAG | queries/s | errors | cross-talk | p50 ms | p95 ms | correct p50 / p95 "
         "| ambiguous p50 / p95 | incorrect p50 / p95 | disabled p50 / p95 | RSS per process, MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = [
@@ -70,8 +79,8 @@ def main() -> None:
             for a in ("correct", "ambiguous", "incorrect", "disabled")
         ]
         lines.append(
-            f"| {r['round']} | {r['workers']} | {'on' if r['crag'] else 'off'} | {r['queries_per_s']} | "
-            f"{r['errors']} | "
+            f"| {r['round']} | {r['workers']} | {r['threads']} | {'on' if r['crag'] else 'off'} | "
+            f"{r['queries_per_s']} | {r['errors']} | "
             f"{r['cross_talk']} | {r['all']['p50_ms']:.0f} | {r['all']['p95_ms']:.0f} | "
             + " | ".join(cells)
             + f" | {', '.join(f'{m:,.0f}' for m in r['rss_mb'])} |"
@@ -97,15 +106,19 @@ def measure(args: argparse.Namespace, store: Optional[str]) -> List[Dict[str, An
     questions = [q.question for q in load_questions(args.docs if Path(args.docs, "questions.jsonl").exists()
                                                      else SAMPLE_DIR)]  # fmt: skip
     rows: List[Dict[str, Any]] = []
-    configurations = [(int(w), crag) for w in args.workers.split(",") for crag in (True, False)]
+    crags = [{"on": True, "off": False}[c.strip()] for c in args.crag.split(",")]
+    configurations = [
+        (int(w), t.strip(), crag) for w in args.workers.split(",") for t in args.threads.split(",") for crag in crags
+    ]
     for round_ in range(1, args.rounds + 1):
-        for workers, crag in configurations:
+        for workers, threads, crag in configurations:
             extra = [*source, "--llm", args.llm] + ([] if crag else ["--disable-crag"])
+            extra += [] if threads == "auto" else ["--threads", threads]
             with ServerProcess(index, free_port(), workers=workers, extra=extra) as served:
                 run_load(served.url, questions, total=min(20, args.queries), concurrency=4)  # warm each worker
                 result = run_load(served.url, questions, total=args.queries, concurrency=args.clients)
                 memory = served.memory_mb()
-            summary = {"round": round_, "workers": workers, "crag": crag, **result.summary()}
+            summary = {"round": round_, "workers": workers, "threads": threads, "crag": crag, **result.summary()}
             summary["rss_mb"] = memory
             summary["source"] = "store" if store else "index"
             rows.append(summary)

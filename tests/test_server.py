@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from llama_index.core.response_synthesizers.no_text import NoText
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.server.app import create_app
 from llama_index_crag.server.service import ServerConfig
 from llama_index_crag.stores.folder import IndexFolderError, ingest, load_engine, load_index
@@ -417,10 +419,34 @@ def test_several_workers_under_concurrent_load_answer_without_errors_or_cross_ta
     with ServerProcess(str(index_dir), free_port(), workers=2, extra=["--llm", "none"]) as served:
         result = run_load(served.url, questions, total=200, concurrency=50)
         counted = sum(float(line.split(" ")[1]) for line in served.metrics() if line.startswith("crag_actions_total{"))
+        health = httpx.get(served.url + "/healthz").json()
     assert result.errors == [] and len(result.outcomes) == 200
     assert not any(o.cross_talk for o in result.outcomes)
     assert {o.action for o in result.outcomes} >= {"correct", "incorrect"}
     assert counted == 200  # each query counted once, across both workers
+    # Each worker runs its models on its share of the cores, not on all of them.
+    assert health["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def test_worker_threads_share_the_cores_out_unless_told() -> None:
+    from llama_index_crag.server.main import ServeOptions, worker_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert worker_threads(ServeOptions(index="i")) is None  # one worker: the libraries' defaults
+    assert worker_threads(ServeOptions(index="i", workers=3)) == max(1, cores // 3)
+    assert worker_threads(ServeOptions(index="i", workers=cores * 4)) == 1
+    assert worker_threads(ServeOptions(index="i", workers=2, threads=3)) == 3
+    with pytest.raises(ConfigError, match="--threads must be at least 1"):
+        worker_threads(ServeOptions(index="i", threads=0))
+
+
+@pytest.mark.slow
+def test_the_served_bundled_model_runs_on_the_workers_threads() -> None:
+    from llama_index_crag.server.main import ServeOptions, build_llm
+
+    llm, generator = build_llm(ServeOptions(index="", llm="llamacpp"), threads=1)
+    assert llm.model_kwargs["n_threads"] == 1 and generator.name.endswith(", 1 thread")
+    assert str(llm.complete("Name one colour.")).strip()
 
 
 # --- the [server] extra ------------------------------------------------------------------------------------------

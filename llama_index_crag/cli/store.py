@@ -50,6 +50,12 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
     serve.add_argument("--workers", type=int, default=1, help="worker processes over the same index folder")
     serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads of each worker's models (default: one worker uses every core, several share them out)",
+    )
+    serve.add_argument(
         "--llm",
         choices=("auto", "ollama", "llamacpp", "none"),
         default="auto",
@@ -117,6 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             workers=args.workers,
+            threads=args.threads,
             llm=args.llm,
             model=args.model,
             ollama_url=args.ollama_url,

@@ -101,16 +101,23 @@ class BundledLlamaCPP(LlamaCPP):
     step with a time limit (``llama_index_crag.deadline``), a call waits for the model no
     longer than the step may run (``CorrectiveTimeout``) and stops generating at the
     deadline, so an abandoned rewrite does not hold the model for the queries after it.
-    The model runs on as many threads as the process has cores (``usable_cores``): more
-    threads than cores slow llama.cpp down by an order of magnitude.
+    The model runs on ``n_threads`` threads, by default as many as the process has cores
+    (``usable_cores``): more threads than cores slow llama.cpp down by an order of
+    magnitude, so several processes on one machine should share the cores out.
     """
 
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
-    def __init__(self, model_path: Optional[str] = None, context_window: int = 4096, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_path: Optional[str] = None,
+        context_window: int = 4096,
+        n_threads: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("temperature", 0.0)
         kwargs.setdefault("max_new_tokens", 128)
-        kwargs.setdefault("model_kwargs", {"seed": 0, "n_threads": usable_cores()})
+        kwargs.setdefault("model_kwargs", {"seed": 0, "n_threads": n_threads or usable_cores()})
         super().__init__(
             model_path=str(model_path or bundled_gguf_path()),
             context_window=context_window,

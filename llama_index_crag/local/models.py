@@ -52,6 +52,7 @@ def default_llm(
     request_timeout: float = 120.0,
     gguf: Optional[str] = None,
     check: bool = True,
+    n_threads: Optional[int] = None,
 ) -> Tuple[LLM, str]:
     """The generator for the demo: a local Ollama model when one answers, else a GGUF in llama.cpp.
 
@@ -59,6 +60,8 @@ def default_llm(
     first generates a few tokens in a child process, so that a llama.cpp build that cannot
     run on this CPU raises ``GeneratorUnavailable`` (cause and fix in its message) instead of
     killing this process with "Illegal instruction" at the first answer.
+
+    ``n_threads`` is the llama.cpp model's thread count (default: the process's cores).
 
     Returns the LLM and a sentence saying which one it is.
     """
@@ -76,6 +79,6 @@ def default_llm(
 
     which = f"the GGUF {path}" if gguf else f"the bundled {path.name}"
     return (
-        BundledLlamaCPP(model_path=str(path)),
+        BundledLlamaCPP(model_path=str(path), n_threads=n_threads),
         f"no Ollama model {ollama_model} at {ollama_url}; using in-process llama.cpp with {which}",
     )

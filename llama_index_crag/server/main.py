@@ -3,6 +3,10 @@
 With ``--workers N`` uvicorn starts N processes that each import ``app_factory``; the
 options travel to them in the ``CRAG_SERVE_OPTIONS`` environment variable, and the
 Prometheus counters of all workers are shared through ``PROMETHEUS_MULTIPROC_DIR``.
+Each worker's models (torch's and the bundled llama.cpp's) run on its share of the
+cores, ``worker_threads``: N processes that each start a thread per core would run
+N threads on every core, and spinning threads that wait on each other slow every
+query down.
 """
 
 from __future__ import annotations
@@ -39,10 +43,37 @@ class ServeOptions:
     query_timeout_s: float = 120.0
     rate_window_s: float = 300.0
     log_level: str = "info"
+    threads: Optional[int] = None  # per worker, for torch and llama.cpp; None: the cores shared among the workers
 
 
-def build_llm(options: ServeOptions) -> Tuple[Any, Any]:
-    """The generator the options name, and the ``Generator`` the health check probes."""
+def worker_threads(options: ServeOptions) -> Optional[int]:
+    """The CPU threads each worker's models run on: ``--threads``, else, with several workers, this
+    process's cores divided among them (at least one each). None with one worker and no ``--threads``:
+    the libraries' own defaults (torch reads ``OMP_NUM_THREADS``; llama.cpp takes every core)."""
+    from llama_index_crag.errors import ConfigError
+    from llama_index_crag.local.llamacpp import usable_cores
+
+    if options.threads is not None:
+        if options.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, not {options.threads}")
+        return options.threads
+    if options.workers <= 1:
+        return None
+    return max(1, usable_cores() // options.workers)
+
+
+def use_threads(threads: Optional[int]) -> None:
+    """Run torch (the embedding model and the graders) on ``threads`` threads in this process."""
+    if threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def build_llm(options: ServeOptions, threads: Optional[int] = None) -> Tuple[Any, Any]:
+    """The generator the options name (a llama.cpp model on ``threads`` threads, default every core), and the
+    ``Generator`` the health check probes."""
     from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL, default_llm, ollama_has_model
     from llama_index_crag.server.service import Generator
 
@@ -68,9 +99,11 @@ def build_llm(options: ServeOptions) -> Tuple[Any, Any]:
 
         path = options.gguf or str(bundled_gguf_path())
         require_generation(path)
-        return BundledLlamaCPP(model_path=path), Generator(f"llama.cpp in process with {path}")
+        local = BundledLlamaCPP(model_path=path, n_threads=threads)
+        count = local.model_kwargs["n_threads"]
+        return local, Generator(f"llama.cpp in process with {path}, {count} thread{'' if count == 1 else 's'}")
     if options.llm == "auto":
-        found, described = default_llm(url, options.model or DEFAULT_OLLAMA_MODEL, gguf=options.gguf)
+        found, described = default_llm(url, options.model or DEFAULT_OLLAMA_MODEL, gguf=options.gguf, n_threads=threads)
         return found, Generator(described)
     raise ValueError(f"unknown --llm {options.llm!r}: use auto, ollama, llamacpp or none")
 
@@ -81,7 +114,9 @@ def build_app(options: ServeOptions) -> Any:
     from llama_index_crag.server.service import ServerConfig
     from llama_index_crag.stores.folder import load_engine, load_index
 
-    llm, generator = build_llm(options)  # None: the engine quotes the passages instead of generating
+    threads = worker_threads(options)
+    use_threads(threads)
+    llm, generator = build_llm(options, threads)  # None: the engine quotes the passages instead of generating
     settings = {"enabled": False if options.disable_crag else None, "max_query_chars": options.max_query_chars}
     if options.store:
         from llama_index_crag.stores.postgres import PostgresStore, engine_from_store
@@ -117,6 +152,7 @@ def serve(options: ServeOptions) -> None:
 
     from llama_index_crag.stores.folder import load_index
 
+    worker_threads(options)  # a bad --threads is an error now rather than in every worker
     if options.store:  # a clear error now rather than in every worker
         from llama_index_crag.stores.postgres import PostgresStore
 

@@ -94,6 +94,7 @@ class Health(BaseModel):
     generator: GeneratorHealth
     scorer: str
     thresholds: Dict[str, float]
+    threads: int = Field(description="CPU threads this worker's torch models (embedding, grading) run on")
 
 
 class ErrorDetail(BaseModel):

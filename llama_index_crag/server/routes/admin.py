@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 import anyio
+import torch
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
@@ -66,6 +67,7 @@ async def healthz(service: Service, response: Response) -> Health:
         generator=GeneratorHealth(name=generator.name, ready=ready, detail=detail),
         scorer=engine.grader.scorer.name,
         thresholds={"upper": engine.grader.upper, "lower": engine.grader.lower},
+        threads=torch.get_num_threads(),
     )
 
 
