@@ -20,6 +20,7 @@ from llama_index.core.response_synthesizers.no_text import NoText
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
 from llama_index_crag.errors import ConfigError
+from llama_index_crag.local.cores import usable_cores
 from llama_index_crag.server.app import create_app
 from llama_index_crag.server.service import ServerConfig
 from llama_index_crag.stores.folder import IndexFolderError, ingest, load_engine, load_index
@@ -425,13 +426,14 @@ def test_several_workers_under_concurrent_load_answer_without_errors_or_cross_ta
     assert {o.action for o in result.outcomes} >= {"correct", "incorrect"}
     assert counted == 200  # each query counted once, across both workers
     # Each worker runs its models on its share of the cores, not on all of them.
-    assert health["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert health["threads"] == max(1, usable_cores() // 2)
 
 
 def test_worker_threads_share_the_cores_out_unless_told() -> None:
     from llama_index_crag.server.main import ServeOptions, worker_threads
 
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
     assert worker_threads(ServeOptions(index="i")) is None  # one worker: the libraries' defaults
     assert worker_threads(ServeOptions(index="i", workers=3)) == max(1, cores // 3)
     assert worker_threads(ServeOptions(index="i", workers=cores * 4)) == 1
@@ -476,6 +478,19 @@ def test_serve_without_the_server_extra_names_the_install_command_and_exits_non_
     assert ran.returncode != 0
     assert "pip install 'llama-index-crag[server]'" in ran.stderr and blocked in ran.stderr
     assert "Traceback" not in ran.stderr
+
+
+def test_several_workers_share_the_cores_without_the_local_extra() -> None:
+    code = (
+        "import os\n"
+        "from llama_index_crag.server.main import ServeOptions, worker_threads\n"
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "print(worker_threads(ServeOptions(index='i', workers=2)))\n"
+        "print(worker_threads(ServeOptions(index='i', threads=2)))\n"
+    )
+    ran = _without("llama_cpp", code)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["1", "2"]
 
 
 def test_the_app_without_fastapi_is_an_import_error_naming_the_extra() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import threading
 import time
@@ -25,6 +24,7 @@ except ImportError as exc:  # the optional [local] extra
     raise MissingDependency("in-process generation needs llama.cpp: pip install 'llama-index-crag[local]'") from exc
 
 from llama_index_crag.local.bundled import bundled_gguf_path
+from llama_index_crag.local.cores import usable_cores
 
 # JSON forbids raw control characters inside strings; llama.cpp's JSON grammars allow any character
 # but the quote and the backslash, so a small model can emit a raw newline that no parser accepts.
@@ -82,14 +82,6 @@ def chatml_messages_to_prompt(messages: Sequence[ChatMessage]) -> str:
 def chatml_completion_to_prompt(completion: str) -> str:
     """A single user turn in ChatML."""
     return chatml_messages_to_prompt([ChatMessage(role="user", content=completion)])
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity: a container's or ``taskset``'s share), at least 1."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except AttributeError:  # not on Linux
-        return max(os.cpu_count() or 1, 1)
 
 
 class BundledLlamaCPP(LlamaCPP):

@@ -51,7 +51,7 @@ def worker_threads(options: ServeOptions) -> Optional[int]:
     process's cores divided among them (at least one each). None with one worker and no ``--threads``:
     the libraries' own defaults (torch reads ``OMP_NUM_THREADS``; llama.cpp takes every core)."""
     from llama_index_crag.errors import ConfigError
-    from llama_index_crag.local.llamacpp import usable_cores
+    from llama_index_crag.local.cores import usable_cores
 
     if options.threads is not None:
         if options.threads < 1:
