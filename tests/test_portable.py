@@ -12,6 +12,7 @@ import pytest
 from pydantic import BaseModel
 
 from llama_index_crag.cli import main
+from llama_index_crag.local.cores import usable_cores
 from llama_index_crag.local.models import default_llm
 from llama_index_crag.local.portable import (
     FAIL,
@@ -101,6 +102,9 @@ def test_the_bundled_generator_runs_in_a_child_process() -> None:
     check = check_generation()
     assert check.status == OK, check
     assert re.search(r"generates \d+ tokens/s", check.detail)
+    cores = usable_cores()
+    assert check.detail.endswith(f" on {cores} thread{'' if cores == 1 else 's'}")  # the threads the model runs on
+    assert check_generation(n_threads=1).detail.endswith(" on 1 thread")
 
 
 @pytest.mark.slow

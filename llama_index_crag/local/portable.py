@@ -17,6 +17,7 @@ from typing import List, Optional
 
 from llama_index_crag.errors import GeneratorUnavailable
 from llama_index_crag.local.bundled import bundled_gguf_path
+from llama_index_crag.local.cores import usable_cores
 
 #: What ``make setup`` builds llama.cpp with: the instruction sets named rather than the build machine's.
 #: ``GGML_NATIVE`` (llama.cpp's default) compiles in the AMX and AVX-512 kernels the build machine reports,
@@ -61,10 +62,15 @@ class Check:
 
 
 def check_generation(
-    model_path: Optional[Path | str] = None, timeout_s: float = 180.0, n_threads: int = 2, python: str = sys.executable
+    model_path: Optional[Path | str] = None,
+    timeout_s: float = 180.0,
+    n_threads: Optional[int] = None,
+    python: str = sys.executable,
 ) -> Check:
-    """Load the GGUF and generate a few tokens in a child process; say why and how to fix it when that fails."""
+    """Load the GGUF and generate a few tokens in a child process, on the threads the bundled model runs on (default:
+    the cores this process may use); say why and how to fix it when that fails."""
     start = time.perf_counter()
+    n_threads = n_threads or usable_cores()
     try:
         path = Path(model_path) if model_path is not None else bundled_gguf_path()
     except (ImportError, FileNotFoundError) as exc:
@@ -88,7 +94,8 @@ def check_generation(
         return Check(
             "generator (llama.cpp)",
             OK,
-            f"{path.name} loads in {figures['load_s']:.1f} s and generates {rate:.0f} tokens/s",
+            f"{path.name} loads in {figures['load_s']:.1f} s and generates {rate:.0f} tokens/s "
+            f"on {n_threads} thread{'' if n_threads == 1 else 's'}",
             seconds,
         )
     if done.returncode == -signal.SIGILL or "Illegal instruction" in done.stderr:
