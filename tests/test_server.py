@@ -434,12 +434,34 @@ def test_worker_threads_share_the_cores_out_unless_told() -> None:
 
     cores = usable_cores()
     assert 1 <= cores <= len(os.sched_getaffinity(0))
-    assert worker_threads(ServeOptions(index="i")) is None  # one worker: the libraries' defaults
+    assert worker_threads(ServeOptions(index="i")) == cores  # one worker: every core it may use
     assert worker_threads(ServeOptions(index="i", workers=3)) == max(1, cores // 3)
     assert worker_threads(ServeOptions(index="i", workers=cores * 4)) == 1
     assert worker_threads(ServeOptions(index="i", workers=2, threads=3)) == 3
     with pytest.raises(ConfigError, match="--threads must be at least 1"):
         worker_threads(ServeOptions(index="i", threads=0))
+
+
+def test_torch_runs_on_the_workers_threads_unless_omp_num_threads_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from llama_index_crag.server.main import ServeOptions, use_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        use_threads(1, ServeOptions(index="i", workers=2))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        use_threads(1, ServeOptions(index="i", workers=2))  # the user's own setting stands
+        assert torch.get_num_threads() == 2
+        use_threads(1, ServeOptions(index="i", threads=1))  # unless --threads says otherwise
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.slow

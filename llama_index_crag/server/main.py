@@ -43,13 +43,12 @@ class ServeOptions:
     query_timeout_s: float = 120.0
     rate_window_s: float = 300.0
     log_level: str = "info"
-    threads: Optional[int] = None  # per worker, for torch and llama.cpp; None: the cores shared among the workers
+    threads: Optional[int] = None  # per worker, for torch and llama.cpp; None: the usable cores shared out
 
 
-def worker_threads(options: ServeOptions) -> Optional[int]:
-    """The CPU threads each worker's models run on: ``--threads``, else, with several workers, this
-    process's cores divided among them (at least one each). None with one worker and no ``--threads``:
-    the libraries' own defaults (torch reads ``OMP_NUM_THREADS``; llama.cpp takes every core)."""
+def worker_threads(options: ServeOptions) -> int:
+    """The CPU threads each worker's models run on: ``--threads``, else the cores this process may use
+    (``usable_cores``: affinity and a container's CPU quota) divided among the workers, at least one each."""
     from llama_index_crag.errors import ConfigError
     from llama_index_crag.local.cores import usable_cores
 
@@ -57,14 +56,15 @@ def worker_threads(options: ServeOptions) -> Optional[int]:
         if options.threads < 1:
             raise ConfigError(f"--threads must be at least 1, not {options.threads}")
         return options.threads
-    if options.workers <= 1:
-        return None
-    return max(1, usable_cores() // options.workers)
+    return max(1, usable_cores() // max(1, options.workers))
 
 
-def use_threads(threads: Optional[int]) -> None:
-    """Run torch (the embedding model and the graders) on ``threads`` threads in this process."""
-    if threads is None:
+def use_threads(threads: int, options: ServeOptions) -> None:
+    """Run torch (the embedding model and the graders) on ``threads`` threads in this process, unless
+    ``OMP_NUM_THREADS`` already says how many and ``--threads`` does not. torch's own default counts the
+    machine's cores, not a container's quota, and a quota spread over more threads than it pays for is
+    throttled."""
+    if options.threads is None and os.environ.get("OMP_NUM_THREADS"):
         return
     import torch
 
@@ -115,7 +115,7 @@ def build_app(options: ServeOptions) -> Any:
     from llama_index_crag.stores.folder import load_engine, load_index
 
     threads = worker_threads(options)
-    use_threads(threads)
+    use_threads(threads, options)
     llm, generator = build_llm(options, threads)  # None: the engine quotes the passages instead of generating
     settings = {"enabled": False if options.disable_crag else None, "max_query_chars": options.max_query_chars}
     if options.store:
