@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import re
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
 from llama_index_crag.cli import main
-from llama_index_crag.local.cores import usable_cores
+from llama_index_crag.local.cores import torch_on_usable_cores, usable_cores
 from llama_index_crag.local.models import default_llm
 from llama_index_crag.local.portable import (
     FAIL,
@@ -128,6 +131,48 @@ def test_doctor_checks_every_part_and_says_what_to_fix(capsys: pytest.CaptureFix
     assert checks["llama.cpp build"]["status"] == OK and "(portable)" in checks["llama.cpp build"]["detail"]
     assert checks["generator (llama.cpp)"]["status"] == OK
     assert all(c["seconds"] >= 0 for c in checks.values())
+
+
+#: The doctor's checks in a fresh process that may use one core (as a 1-CPU container's quota would say).
+ONE_CORE_DOCTOR = """
+import llama_index_crag.local.cores as cores
+cores.usable_cores = lambda: 1
+from llama_index_crag.cli import main
+main(["doctor", "--json", "--ollama-url", "http://127.0.0.1:9"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("told", "torch_line", "generator_line"), [(None, "1 thread)", "on 1 thread"), ("2", "2 threads)", "on 1 thread")]
+)
+def test_the_command_line_runs_torch_on_the_usable_cores_unless_told(
+    told: str | None, torch_line: str, generator_line: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | ({"OMP_NUM_THREADS": told} if told else {})
+    run = subprocess.run([sys.executable, "-c", ONE_CORE_DOCTOR], env=env, capture_output=True, text=True, timeout=300)
+    checks = {c["name"]: c["detail"] for c in json.loads(run.stdout)}
+    assert checks["torch"].endswith(torch_line), checks["torch"]  # torch's default here is every core the machine has
+    assert checks["generator (llama.cpp)"].endswith(generator_line)
+
+
+def test_the_usable_cores_are_told_to_torch_only_while_a_command_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # as if torch had not loaded yet in this process
+    with torch_on_usable_cores():
+        assert os.environ["OMP_NUM_THREADS"] == str(usable_cores())
+    assert "OMP_NUM_THREADS" not in os.environ
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with torch_on_usable_cores():
+        assert os.environ["OMP_NUM_THREADS"] == "3"  # what the user said wins
+    assert os.environ["OMP_NUM_THREADS"] == "3"
+
+
+def test_a_torch_already_loaded_keeps_the_threads_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    importlib.import_module("torch")  # as an application that uses torch has it loaded before the command runs
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with torch_on_usable_cores():
+        assert "OMP_NUM_THREADS" not in os.environ and "torch" in sys.modules
 
 
 @pytest.mark.slow

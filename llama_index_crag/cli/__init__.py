@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from contextlib import nullcontext
+from typing import ContextManager, Optional, Sequence
 
 from llama_index_crag.cli import demo, grading, store
 from llama_index_crag.errors import CragError
 from llama_index_crag.evaluation.command import add_eval_parser
+from llama_index_crag.local.cores import torch_on_usable_cores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,10 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``llama-crag``: a problem the user can fix (a ``CragError``, a missing optional package
     included, or a missing file such as a dataset) is printed as one line and exits 2; anything else is a bug and
-    keeps its traceback."""
+    keeps its traceback.
+
+    Every command but ``serve`` runs torch on the cores this process may use (a container's CPU quota
+    included) unless ``OMP_NUM_THREADS`` says otherwise."""
     args = build_parser().parse_args(argv)
+    # serve shares the cores out among its workers itself.
+    threads: ContextManager[None] = torch_on_usable_cores() if args.command != "serve" else nullcontext()
     try:
-        return int(args.run(args))
+        with threads:
+            return int(args.run(args))
     except (CragError, FileNotFoundError) as exc:
         print(f"llama-crag: {exc}", file=sys.stderr)
         return 2

@@ -81,7 +81,12 @@ def add_parsers(commands: Any) -> None:
         help="train a LoRA adapter of this rank on every layer instead of the top --train-layers (needs peft: "
         "pip install 'llama-index-crag[train]'); what is saved is the adapter and head, under a megabyte",
     )
-    train.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    train.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: OMP_NUM_THREADS, else the cores this process may use)",
+    )
     train.add_argument("--seed", type=int, default=0, help="seed for pairs, order and initialisation")
     train.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU (inference stays on CPU)")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")

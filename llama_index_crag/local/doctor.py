@@ -55,10 +55,11 @@ def _check_torch() -> Check:
         return Check("torch", FAIL, "torch is not installed", fix="pip install torch==2.13.0 (a CPU build)")
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
     gpu = "a GPU is visible" if torch.cuda.is_available() else "no GPU"
+    threads = torch.get_num_threads()
     return Check(
         "torch",
         OK,
-        f"torch {torch.__version__} ({build}, {gpu}, {torch.get_num_threads()} threads)",
+        f"torch {torch.__version__} ({build}, {gpu}, {threads} thread{'' if threads == 1 else 's'})",
         time.perf_counter() - start,
     )
 
