@@ -48,7 +48,12 @@ def main() -> None:
         default="auto",
         help="each worker's model threads to measure: auto (serve's default: the cores shared out) or a number",
     )
-    parser.add_argument("--crag", default="on,off", help="CRAG on, off or both (on,off)")
+    parser.add_argument(
+        "--crag",
+        default=None,
+        help="CRAG on, off or both (on,off); default both with --llm llamacpp, on with --llm none (CRAG off is plain "
+        "retrieve-then-generate and needs a generator)",
+    )
     parser.add_argument("--out", default="eval-out/bench_server", help="folder for bench_server.json and .md")
     args = parser.parse_args()
 
@@ -106,7 +111,10 @@ def measure(args: argparse.Namespace, store: Optional[str]) -> List[Dict[str, An
     questions = [q.question for q in load_questions(args.docs if Path(args.docs, "questions.jsonl").exists()
                                                      else SAMPLE_DIR)]  # fmt: skip
     rows: List[Dict[str, Any]] = []
-    crags = [{"on": True, "off": False}[c.strip()] for c in args.crag.split(",")]
+    chosen = args.crag or ("on" if args.llm == "none" else "on,off")
+    crags = [{"on": True, "off": False}[c.strip()] for c in chosen.split(",")]
+    if not all(crags) and args.llm == "none":
+        raise SystemExit("--crag off needs --llm llamacpp: CRAG off is plain retrieve-then-generate")
     configurations = [
         (int(w), t.strip(), crag) for w in args.workers.split(",") for t in args.threads.split(",") for crag in crags
     ]

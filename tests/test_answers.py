@@ -367,6 +367,20 @@ def test_quotes_keep_document_order_within_a_passage(embed_model: Any) -> None:
     ]
 
 
+def test_a_code_block_or_a_table_is_quoted_with_its_lines(embed_model: Any) -> None:
+    code = "```python\ndef retry_delay(attempt):\n    if attempt > 5:\n        return 30\n    return 2 ** attempt\n```"
+    table = "| Region | Uptime |\n|---|---|\n| EU-2 | 99.2% |\n| US-1 | 99.95% |"
+    prose = "The Lisbon office opens at nine in the morning\non weekdays (a line the editor wrapped)."
+    nodes = [TextNode(text=code, metadata={"title": "SDK retry"}), TextNode(text=table), TextNode(text=prose)]
+    engine = CorrectiveQueryEngine.from_defaults(nodes=nodes, embed_model=embed_model, max_quotes=1)
+    quoted = crag(engine.query("What does retry_delay return after attempt 5?"))["quotes"]
+    assert [q["text"] for q in quoted] == [code]  # indentation is Python's meaning
+    assert f'"{code}" (SDK retry, ' in str(engine.query("What does retry_delay return after attempt 5?"))
+    assert [q["text"] for q in crag(engine.query("What was the uptime of EU-2?"))["quotes"]] == [table]
+    trace = crag(engine.query("When does the Lisbon office open?"))
+    assert [q["text"] for q in trace["quotes"]] == [" ".join(prose.split())]  # a wrapped sentence is one line
+
+
 def test_extract_mode_streams_the_quotes_in_one_piece(sample_index: VectorStoreIndex) -> None:
     engine = CorrectiveQueryEngine.from_defaults(index=sample_index, answer_mode="extract", streaming=True)
     response = engine.query("Who is the chief executive officer of Harbor Analytics?")

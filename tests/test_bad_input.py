@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 from llama_index.core import VectorStoreIndex
+from llama_index.core.base.llms.types import CompletionResponse, CompletionResponseGen
+from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.schema import TextNode
 from llama_index.llms.ollama import Ollama
 
@@ -31,8 +33,8 @@ def test_empty_or_blank_query_is_refused(engine: CorrectiveQueryEngine, query: s
         engine.query(query)
 
 
-@pytest.mark.parametrize("query", ["\x00", "\x00 \x07\x1b"])
-def test_a_query_of_control_characters_only_is_empty(engine: CorrectiveQueryEngine, query: str) -> None:
+@pytest.mark.parametrize("query", ["\x00", "\x00 \x07\x1b", "\u200b\u200b", "\ufeff \u200d\u2060"])
+def test_a_query_of_control_or_invisible_characters_only_is_empty(engine: CorrectiveQueryEngine, query: str) -> None:
     with pytest.raises(InvalidQueryError, match="the query is empty"):
         engine.query(query)
 
@@ -111,6 +113,59 @@ def test_non_english_text_gets_a_trace_not_a_crash(embed_model: Any) -> None:
         assert len(trace["nodes"]) >= 1
 
 
+def test_a_lone_surrogate_in_a_passage_is_replaced_not_a_crash(embed_model: Any) -> None:
+    # A retriever that does not embed (BM25, a remote store) hands the text back as it was stored.
+    broken = TextNode(id_="broken", text="The alpha project budget for 2024 is 3.2 million euros \ud800 in all.")
+    broken.metadata["title"] = "Budget \udfff"
+    engine = CorrectiveQueryEngine.from_defaults(
+        retriever=FixedRetriever([broken]), nodes=[broken], embed_model=embed_model
+    )
+    response = engine.query("What is the alpha project budget for 2024?")
+    assert not response.metadata["crag"]["abstained"]
+    assert "3.2 million euros \ufffd in all" in str(response) and "(Budget \ufffd, broken)" in str(response)
+    assert "\ud800" in broken.text  # the retriever's own node is left as it is
+
+
+def test_numbers_as_a_passages_title_and_id_name_its_source(embed_model: Any) -> None:
+    node = TextNode(text=ALPHA.text, metadata={"title": 2024, "doc_id": 42})
+    engine = CorrectiveQueryEngine.from_defaults(nodes=[node], embed_model=embed_model)
+    assert '3.2 million euros." (2024, 42)' in str(engine.query("What is the alpha project budget for 2024?"))
+
+
+class DiesMidStream(ScriptedLLM):
+    """A generator whose server goes away after the first token of an answer."""
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        def gen() -> CompletionResponseGen:
+            yield CompletionResponse(text="The ", delta="The ")
+            raise ConnectionError("server went away")
+
+        return gen()
+
+
+def test_a_generator_that_fails_mid_stream_raises_a_generation_error(sample_index: VectorStoreIndex) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, llm=DiesMidStream(), answer_mode="generate", streaming=True
+    )
+    response = engine.query("Who is the chief executive officer of Harbor Analytics?")
+    with pytest.raises(GenerationError, match="the generator custom_llm failed: ConnectionError: server went away"):
+        "".join(response.response_gen)
+    assert response.metadata["crag"]["answer_check"]["status"] == "incomplete"
+
+
+async def test_a_generator_that_fails_mid_stream_raises_a_generation_error_async(
+    sample_index: VectorStoreIndex,
+) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, llm=DiesMidStream(), answer_mode="generate", streaming=True, check_answers=False
+    )
+    response = await engine.aquery("Who is the chief executive officer of Harbor Analytics?")
+    with pytest.raises(GenerationError, match="ConnectionError: server went away"):
+        async for _ in response.async_response_gen():
+            pass
+
+
 def _dead_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -185,6 +240,36 @@ def test_unknown_settings_are_refused_by_name(sample_index: VectorStoreIndex) ->
 def test_an_engine_without_anything_to_search_says_so() -> None:
     with pytest.raises(ValueError, match="index=, retriever= or nodes="):
         CorrectiveQueryEngine.from_defaults(llm=ScriptedLLM())
+
+
+@pytest.mark.parametrize("setting", ["correction_timeout_s", "rewrite_timeout_s"])
+@pytest.mark.parametrize("seconds", [float("inf"), 1e10, float("nan")])
+def test_a_time_budget_past_a_day_is_refused_not_an_overflow_on_every_query(
+    sample_index: VectorStoreIndex, setting: str, seconds: float
+) -> None:
+    with pytest.raises(ConfigError, match=f"{setting}=.* is invalid: input should be less than or equal to 86400"):
+        CorrectiveQueryEngine.from_defaults(index=sample_index, llm=ScriptedLLM(), **{setting: seconds})
+
+
+def test_a_day_of_correction_budget_still_answers(sample_index: VectorStoreIndex) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, correction_timeout_s=86400)
+    trace = engine.query("Who wrote the novel Moby-Dick?").metadata["crag"]  # INCORRECT: the timed correction path
+    assert trace["rewrite_source"] == "keyword" and "fallback" in trace["timings_ms"]
+
+
+@pytest.mark.parametrize("text", ["", "   "])
+def test_an_abstention_must_say_something(sample_index: VectorStoreIndex, text: str) -> None:
+    with pytest.raises(ConfigError, match="abstain_text=.* is invalid"):
+        CorrectiveQueryEngine.from_defaults(index=sample_index, abstain_text=text)
+
+
+def test_crag_off_without_a_generator_is_refused_not_answered_with_a_prompt(
+    sample_index: VectorStoreIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRAG_ENABLED", "false")
+    with pytest.raises(ConfigError, match="plain retrieve-then-generate and needs a generator"):
+        CorrectiveQueryEngine.from_defaults(index=sample_index)
+    assert not CorrectiveQueryEngine.from_defaults(index=sample_index, llm=ScriptedLLM()).settings.enabled
 
 
 def test_a_bad_environment_variable_stops_the_engine_naming_it(

@@ -181,11 +181,17 @@ class QuotedAnswer:
 def source_name(node: NodeWithScore) -> str:
     """A short name for where a passage comes from: its file name or title, and its document id."""
     meta = node.node.metadata
-    name = meta.get("file_name") or meta.get("title") or ""
-    doc_id = meta.get("doc_id") or node.node.ref_doc_id or node.node.node_id.split("#strips")[0]
+    name = str(meta.get("file_name") or meta.get("title") or "")  # a title or id may be a number in a database
+    doc_id = str(meta.get("doc_id") or node.node.ref_doc_id or node.node.node_id.split("#strips")[0])
     if meta.get("url"):
         name = f"{name}, {meta['url']}" if name else str(meta["url"])
     return f"{name}, {doc_id}" if name and doc_id and doc_id not in name else str(name or doc_id)
+
+
+def quoted(strip: Strip) -> str:
+    """A strip as it is quoted: a sentence window on one line (a passage's line breaks are where its text was
+    wrapped), a table or code block with its lines and indentation, which are its meaning."""
+    return strip.text.strip() if strip.whole_block else " ".join(strip.text.split())
 
 
 def states_what_is_asked(question: str, text: str) -> bool:
@@ -358,7 +364,7 @@ class EvidenceQuoter:
             if len(chosen) == self.max_quotes or not scores[i] >= self.threshold:
                 break
             strip, node = found[i][2], found[i][3]
-            text = " ".join(strip.text.split())
+            text = quoted(strip)
             if (
                 text not in seen
                 and not states_an_aim(question, text)
@@ -372,7 +378,7 @@ class EvidenceQuoter:
         chosen.sort(key=lambda i: found[i][:2])
         quotes = [
             Quote(
-                text=" ".join(found[i][2].text.split()),
+                text=quoted(found[i][2]),
                 source=source_name(found[i][3]),
                 node_id=found[i][3].node.node_id,
                 score=round(float(scores[i]), 4),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
+from typing import Any, AsyncGenerator, Callable, Generator, List, Optional, Sequence, Tuple
 
 from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.prompts import BasePromptTemplate
@@ -81,12 +81,19 @@ class AnswerSteps:
                     bind(synthesizer.asynthesize, query_bundle, sources),
                 )
             except Exception as exc:
-                llm = getattr(self._synthesizer, "_llm", None)
-                raise GenerationError(
-                    f"the generator {describe_llm(llm) if llm is not None else ''} failed: {type(exc).__name__}: {exc}"
-                ) from exc
+                raise self._generation_error(exc) from exc
         response.source_nodes = list(context)
+        tokens = getattr(response, "response_gen", None)
+        if tokens is not None:  # streamed: the generator is called as the tokens are read
+            response.response_gen = _named_failures(tokens, self._generation_error)  # type: ignore[union-attr]
         return response
+
+    def _generation_error(self, exc: BaseException) -> GenerationError:
+        """What a failing generator raises: a ``GenerationError`` that names the model and its server."""
+        llm = getattr(self._synthesizer, "_llm", None)
+        return GenerationError(
+            f"the generator {describe_llm(llm) if llm is not None else ''} failed: {type(exc).__name__}: {exc}"
+        )
 
     def _quote(
         self, query_bundle: QueryBundle, context: List[NodeWithScore], trace: CragTrace
@@ -204,3 +211,30 @@ class AnswerSteps:
 def context_texts(context: Sequence[NodeWithScore]) -> List[str]:
     """The passage texts an answer was generated from, as the generator saw them."""
     return [n.node.get_content() for n in context]
+
+
+def _named_failures(tokens: Any, error: Callable[[BaseException], GenerationError]) -> Any:
+    """A streamed answer's tokens, a failure of the generator while they are read raised as ``error`` makes it (a
+    ``GenerationError``, as an answer that is not streamed raises), sync or async as ``tokens`` are."""
+    if hasattr(tokens, "__aiter__"):
+
+        async def named_async() -> AsyncGenerator[str, None]:
+            try:
+                async for token in tokens:
+                    yield token
+            except GenerationError:
+                raise
+            except Exception as exc:
+                raise error(exc) from exc
+
+        return named_async()
+
+    def named() -> Generator[str, None, None]:
+        try:
+            yield from tokens
+        except GenerationError:
+            raise
+        except Exception as exc:
+            raise error(exc) from exc
+
+    return named()

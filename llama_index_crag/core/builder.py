@@ -27,8 +27,10 @@ from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings, WebSearchSettings
 from llama_index_crag.core.settings_sources import read_calibration
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.registry import default_scorer
+from llama_index_crag.stores.chunking import clean_node
 from llama_index_crag.web.retriever import WebSearchRetriever
 
 if TYPE_CHECKING:
@@ -92,7 +94,9 @@ def from_defaults(
     unknown = set(settings) - set(CragSettings.model_fields)
     if unknown:
         raise TypeError(f"unknown settings {sorted(unknown)}; see CragSettings for the names")
-    if nodes is None and index is not None:
+    if nodes is not None:
+        nodes = [clean_node(n) for n in nodes]  # text every tokenizer and codec takes (a lone surrogate is refused)
+    elif index is not None:
         nodes = list(index.docstore.docs.values())
     if scorer is None:
         corpus = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes or []]
@@ -108,6 +112,14 @@ def from_defaults(
         scorer_name=scorer.name,
         scorer_defaults=scorer.default_thresholds,
     )
+    if not resolved.enabled and llm is None and response_synthesizer is None:
+        # Quoting is CRAG's answer step; with CRAG off there is nothing to answer with but a generator, and
+        # LlamaIndex's stand-in (MockLLM) would hand back its prompt as the answer.
+        raise ConfigError(
+            "CRAG off (enabled=False or CRAG_ENABLED=false) is plain retrieve-then-generate and needs a generator: "
+            "pass llm= or set Settings.llm (llama-crag: serve --llm llamacpp, demo --generate); without one, keep CRAG "
+            "on and the engine answers by quoting"
+        )
     if index is None and retriever is None:
         if nodes is None:
             raise ValueError("give the engine something to search: index=, retriever= or nodes=")

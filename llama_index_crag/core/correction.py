@@ -23,6 +23,7 @@ from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace, NodeGrade
 from llama_index_crag.errors import CorrectiveTimeout, RewriteError
+from llama_index_crag.stores.chunking import clean_nodes
 from llama_index_crag.web.retriever import WebSearchRetriever, collect_web_reports
 
 
@@ -159,6 +160,7 @@ class CorrectionSteps:
             try:
                 with trace.timed("fallback"):
                     hits = yield Io(bind(fallback.retrieve, search), bind(fallback.aretrieve, search), left(deadline))
+                hits = clean_nodes(hits)
             finally:
                 trace.web.extend(report.to_dict() for report in reports)
         trace.fallback_sources = sorted({h.node.metadata.get(SOURCE_KEY, "fallback") for h in hits})

@@ -40,7 +40,7 @@ from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace
 from llama_index_crag.errors import InvalidQueryError
 from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
-from llama_index_crag.stores.chunking import clean_text
+from llama_index_crag.stores.chunking import clean_nodes, clean_text, is_blank
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,7 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
             nodes = yield Io(
                 lambda: self._retriever.retrieve(query_bundle), lambda: self._retriever.aretrieve(query_bundle)
             )
+            nodes = clean_nodes(nodes)  # a retriever that does not embed can return text no tokenizer takes
         if s.enabled:
             reuse_retrieval_embeddings(self._grader.scorer, self._retriever, query_bundle, nodes)
         with trace.timed("rerank"):
@@ -269,7 +270,7 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
 def _checked_query(query_bundle: QueryBundle, max_chars: int) -> QueryBundle:
     """The query with characters no store or tokenizer takes replaced (``clean_text``), or a clear error."""
     query = clean_text(query_bundle.query_str or "")
-    if not query.strip():
+    if is_blank(query):
         raise InvalidQueryError("the query is empty: ask a question")
     if len(query_bundle.query_str) > max_chars:
         raise InvalidQueryError(

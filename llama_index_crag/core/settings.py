@@ -32,6 +32,8 @@ ON_UNGROUNDED: Tuple[str, ...] = get_args(OnUngrounded)
 ENV_PREFIX = "CRAG_"
 WEB_ENV = f"{ENV_PREFIX}WEB"
 CALIBRATION_ENV = f"{ENV_PREFIX}CALIBRATION"
+#: The longest time budget a setting takes, in seconds: a day.
+MAX_TIMEOUT_S = 86400.0
 
 
 class OwnSources(BaseSettings):
@@ -98,10 +100,15 @@ class CragSettings(OwnSources):
         default=False,
         description="Put each candidate's explanation (features, contributions, missing query words) in the trace.",
     )
-    correction_timeout_s: float = Field(default=30.0, gt=0, description="Time budget of the whole correction path.")
+    # Capped at a day: a budget is a number of seconds a clock can count to (inf, or 1e10 s, overflows the
+    # platform's timer, and every INCORRECT query would end in that error instead of its answer).
+    correction_timeout_s: float = Field(
+        default=30.0, gt=0, le=MAX_TIMEOUT_S, description="Time budget of the whole correction path (at most a day)."
+    )
     rewrite_timeout_s: Optional[float] = Field(
         default=None,
         gt=0,
+        le=MAX_TIMEOUT_S,
         description="Time limit of each LLM rewrite; past it the question's keywords are searched in the time the "
         "correction budget has left. None: half of correction_timeout_s.",
     )
@@ -137,6 +144,8 @@ class CragSettings(OwnSources):
     )
     abstain_text: str = Field(
         default="I don't know. The documents I can search do not answer this question.",
+        min_length=1,
+        pattern=r"\S",
         description="The answer given when the engine abstains.",
     )
 

@@ -21,7 +21,7 @@ from llama_index_crag.errors import GenerationError, InvalidQueryError, Retrieva
 from llama_index_crag.server.errors import ApiError
 from llama_index_crag.server.metrics import ServerMetrics
 from llama_index_crag.server.schemas import QueryResult, RecentQuery, Source
-from llama_index_crag.stores.chunking import clean_text
+from llama_index_crag.stores.chunking import clean_text, is_blank
 
 #: Characters of a source's text returned as its excerpt.
 EXCERPT_CHARS = 600
@@ -80,7 +80,7 @@ class QueryService:
     def check(self, query: Any) -> str:
         if isinstance(query, str):
             query = clean_text(query)
-        if not isinstance(query, str) or not query.strip():
+        if not isinstance(query, str) or is_blank(query):
             raise ApiError(400, "empty_query", "the query is empty: send a question in the 'query' field")
         # The engine's own limit (one value for both): checked here too, to refuse before the engine is asked.
         limit = self.engine.settings.max_query_chars
@@ -125,9 +125,9 @@ class QueryService:
             await tokens.aclose()
             raise self._timeout() from None
         except Exception as exc:
-            raise ApiError(
-                503, "generator_unavailable", f"the generator failed: {type(exc).__name__}: {exc}", "server_error"
-            ) from exc
+            named = isinstance(exc, GenerationError)  # it names the model already
+            said = str(exc) if named else f"the generator failed: {type(exc).__name__}: {exc}"
+            raise ApiError(503, "generator_unavailable", said, "server_error") from exc
         return tokens, first
 
     async def tokens(self, tokens: AsyncGenerator[str, None], first: Any, deadline: float) -> AsyncIterator[str]:

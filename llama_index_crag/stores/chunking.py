@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import functools
 import re
+import unicodedata
 from typing import Any, List, Sequence
 
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.node_parser.text.utils import split_by_sentence_tokenizer_internal
-from llama_index.core.schema import BaseNode, Document
+from llama_index.core.schema import BaseNode, Document, NodeWithScore
 from llama_index.core.utils import globals_helper
 
 _UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|[\ud800-\udfff]")
@@ -26,6 +27,35 @@ def clean_text(text: str) -> str:
     if text.isascii() and text.isprintable():
         return text
     return _UNSAFE.sub(lambda m: "\ufffd" if "\ud800" <= m.group() <= "\udfff" else " ", text)
+
+
+def clean_node(node: BaseNode) -> BaseNode:
+    """``node`` with its text and metadata as ``clean_text`` leaves them: the node itself when nothing changes,
+    else a cleaned copy under the same id (the caller's node is left as it is)."""
+    update: dict[str, Any] = {}
+    text = getattr(node, "text", None)
+    if isinstance(text, str) and clean_text(text) != text:
+        update["text"] = clean_text(text)
+    metadata = {k: clean_text(v) if isinstance(v, str) else v for k, v in node.metadata.items()}
+    if metadata != node.metadata:
+        update["metadata"] = metadata
+    return node.model_copy(update=update) if update else node
+
+
+def clean_nodes(hits: Sequence[NodeWithScore]) -> List[NodeWithScore]:
+    """What a retriever found, cleaned (``clean_node``): one that does not embed (BM25, a remote store) can hand
+    back a lone surrogate that the embedding model's tokenizer and UTF-8 refuse."""
+    cleaned: List[NodeWithScore] = []
+    for hit in hits:
+        node = clean_node(hit.node)
+        cleaned.append(hit if node is hit.node else NodeWithScore(node=node, score=hit.score))
+    return cleaned
+
+
+def is_blank(text: str) -> bool:
+    """Whether ``text`` says nothing: only whitespace and invisible format characters (zero-width spaces and
+    joiners, a byte-order mark, direction marks), which a pasted or generated query can consist of."""
+    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
 
 
 def splitter() -> SentenceSplitter:
