@@ -19,7 +19,7 @@ from llama_index.core.response_synthesizers.no_text import NoText
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
-from llama_index_crag.errors import ConfigError
+from llama_index_crag.errors import ConfigError, GraderLoadError
 from llama_index_crag.local.cores import usable_cores
 from llama_index_crag.server.app import create_app
 from llama_index_crag.server.service import ServerConfig
@@ -129,6 +129,35 @@ def test_ingest_refuses_what_it_cannot_index(tmp_path: Path) -> None:
         ingest(tmp_path / "missing", tmp_path / "out")
     with pytest.raises(IndexFolderError, match="not an index folder"):
         load_index(tmp_path / "empty")
+
+
+def test_an_index_folder_among_the_documents_is_never_read_as_documents(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    (docs / "notes" / ".cache").mkdir(parents=True)
+    (docs / "a.txt").write_text("The Ostmoor creamery ages Vell Blue for nine weeks in a sandstone cave.")
+    (docs / "notes" / ".cache" / "b.txt").write_text("A hidden folder's file is not a document.")
+    for _ in range(2):  # the second run would have read the first run's storage files as documents
+        report = ingest(docs, docs / "index", warm_fallback=False)
+        ingest(docs, docs / ".hidden-index", warm_fallback=False)
+    assert report.documents == 1 and report.unchanged == 1 and not report.added
+    assert list(json.loads((docs / "index" / "manifest.json").read_text())["documents"]) == ["a.txt"]
+    with pytest.raises(IndexFolderError, match="cannot be the folder of documents"):
+        ingest(docs, docs, warm_fallback=False)
+
+
+def test_ingest_checks_the_grader_and_calibration_before_embedding_anything(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The Ostmoor creamery ages Vell Blue for nine weeks in a sandstone cave.")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ingest(docs, tmp_path / "out", calibration=tmp_path / "broken.json")
+    with pytest.raises(GraderLoadError, match="not a grader directory"):
+        ingest(docs, tmp_path / "out", grader=tmp_path / "no-grader")
+    assert not (tmp_path / "out").exists()  # nothing half-written
+    (tmp_path / "file").write_text("")
+    with pytest.raises(IndexFolderError, match="is a file, not an index folder"):
+        ingest(docs, tmp_path / "file")
 
 
 # --- the API ----------------------------------------------------------------------------------------------------

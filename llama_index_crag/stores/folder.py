@@ -67,12 +67,14 @@ class IngestReport:
         )
 
 
-def read_documents(source: Path) -> tuple[List[Document], List[str]]:
+def read_documents(source: Path, exclude: Optional[Path] = None) -> tuple[List[Document], List[str]]:
     """The documents of ``source``: a ``corpus.jsonl`` in the shared dataset format, or a folder of text files.
 
     Each document's id is its ``doc_id`` or its path relative to ``source``, so that the
     same file keeps its id wherever the folder lives. Returns the documents and the files skipped
-    (empty, binary or of a kind this reader does not take).
+    (empty, binary or of a kind this reader does not take). Hidden files and folders are not read, nor
+    anything inside ``exclude`` (the index folder, when it lives among the documents) or inside another
+    index folder: an index read as documents would grow with every ingest.
     """
     source = Path(source)
     if not source.is_dir():
@@ -81,7 +83,8 @@ def read_documents(source: Path) -> tuple[List[Document], List[str]]:
         documents = [d for d in load_documents(source) if d.text.strip()]
         return documents, []
     documents, skipped = [], []
-    for path in sorted(p for p in source.rglob("*") if p.is_file() and not p.name.startswith(".")):
+    indexes = {p.parent for p in source.rglob(MANIFEST)} | ({exclude.resolve()} if exclude else set())
+    for path in sorted(p for p in source.rglob("*") if p.is_file() and _readable(p, source, indexes)):
         # a name that is not UTF-8 keeps its bytes visible (and distinct) as backslash escapes
         relative = (
             path.relative_to(source).as_posix().encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
@@ -110,6 +113,13 @@ def read_documents(source: Path) -> tuple[List[Document], List[str]]:
             )
         )
     return documents, skipped
+
+
+def _readable(path: Path, source: Path, indexes: set[Path]) -> bool:
+    """Whether ``path`` (under ``source``) is a document: not hidden, not inside an index folder."""
+    if any(part.startswith(".") for part in path.relative_to(source).parts):
+        return False
+    return not any(folder == path.parent or folder in path.parents for folder in indexes)
 
 
 def _html_text(html: str) -> str:
@@ -167,7 +177,20 @@ def ingest(
 
     started = time.monotonic()
     source, index_dir = Path(source).resolve(), Path(index_dir)
-    documents, skipped = read_documents(source)
+    if index_dir.resolve() == source:
+        raise IndexFolderError(f"the index folder cannot be the folder of documents ({source}): name another --out")
+    if index_dir.exists() and not index_dir.is_dir():
+        raise IndexFolderError(f"{index_dir} is a file, not an index folder: name a folder")
+    # What the index will be served with is checked before any embedding is paid for.
+    if grader:
+        from llama_index_crag.scorers.reader import load_reader
+
+        load_reader(grader)
+    if calibration:
+        from llama_index_crag.core.settings_sources import read_calibration
+
+        read_calibration(calibration, None)
+    documents, skipped = read_documents(source, exclude=index_dir)
     if not documents:
         raise IndexFolderError(
             f"{source} holds no document with text to index" + (f" (skipped: {skipped})" if skipped else "")
