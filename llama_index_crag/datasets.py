@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from llama_index.core.schema import Document
 
@@ -32,28 +32,58 @@ class Question:
 
 def read_jsonl(path: Path) -> Iterator[dict]:
     """The JSON objects of a JSON-lines file, one a line (blank lines skipped); a clear error names a bad line."""
+    for _, row in _numbered(path):
+        yield row
+
+
+def _numbered(path: Path) -> Iterator[Tuple[str, dict]]:
+    """``read_jsonl``'s objects, each with where it stands (``path:line``) for an error about its fields."""
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: a dataset folder holds corpus.jsonl and questions.jsonl")
     with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if line.strip():
+        number = 0
+        try:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
                 try:
-                    yield json.loads(line)
+                    row = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise DatasetError(f"{path}:{number} is not valid JSON: {exc}") from exc
+                if not isinstance(row, dict):
+                    raise DatasetError(f"{path}:{number} is not a JSON object but {type(row).__name__}")
+                yield f"{path}:{number}", row
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"{path}:{number + 1} is not UTF-8 text ({exc.reason})") from exc
+
+
+def _field(row: dict, where: str, *names: str) -> str:
+    """The row's first non-empty text field of ``names`` (a number is read as its digits), or an error naming it."""
+    for name in names:
+        value = row.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)
+        if isinstance(value, str) and value.strip():
+            return value
+    wanted = " or ".join(f"'{n}'" for n in names)
+    raise DatasetError(f"{where} has no {wanted} text (a non-empty string)")
 
 
 def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
     """The corpus as LlamaIndex documents: ``doc_id`` as id and metadata (hidden from models), ``title`` shown."""
     documents = []
-    for row in read_jsonl(Path(folder) / "corpus.jsonl"):
-        metadata = {"doc_id": row["doc_id"]}
+    for where, row in _numbered(Path(folder) / "corpus.jsonl"):
+        doc_id = _field(row, where, "doc_id")
+        text = row.get("text")
+        if not isinstance(text, str):
+            raise DatasetError(f"{where} has no 'text' string (document {doc_id!r})")
+        metadata = {"doc_id": doc_id}
         if row.get("title"):
             metadata["title"] = clean_text(str(row["title"]))
         documents.append(
             Document(
-                text=clean_text(row["text"]),
-                id_=row["doc_id"],
+                text=clean_text(text),
+                id_=doc_id,
                 metadata=metadata,
                 excluded_embed_metadata_keys=["doc_id"],
                 excluded_llm_metadata_keys=["doc_id"],
@@ -66,15 +96,15 @@ def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
     """The labelled questions (SciFact's ``claim`` is read as the question)."""
     return [
         Question(
-            qid=str(row["qid"]),
-            question=row.get("question") or row["claim"],
-            answers=list(row.get("answers", [])),
+            qid=_field(row, where, "qid"),
+            question=_field(row, where, "question", "claim"),
+            answers=[str(a) for a in row.get("answers") or []],
             answerable=bool(row.get("answerable", True)),
-            relevant_doc_ids=[str(d) for d in row.get("relevant_doc_ids", [])],
+            relevant_doc_ids=[str(d) for d in row.get("relevant_doc_ids") or []],
             split=row.get("split"),
             evidence={str(doc): list(e.get("sentences", [])) for doc, e in (row.get("evidence") or {}).items()},
         )
-        for row in read_jsonl(Path(folder) / "questions.jsonl")
+        for where, row in _numbered(Path(folder) / "questions.jsonl")
     ]
 
 

@@ -33,7 +33,9 @@ def test_empty_or_blank_query_is_refused(engine: CorrectiveQueryEngine, query: s
         engine.query(query)
 
 
-@pytest.mark.parametrize("query", ["\x00", "\x00 \x07\x1b", "\u200b\u200b", "\ufeff \u200d\u2060"])
+@pytest.mark.parametrize(
+    "query", ["\x00", "\x00 \x07\x1b", "\u200b\u200b", "\ufeff \u200d\u2060", "\ud800", "\ud800 \udfff"]
+)
 def test_a_query_of_control_or_invisible_characters_only_is_empty(engine: CorrectiveQueryEngine, query: str) -> None:
     with pytest.raises(InvalidQueryError, match="the query is empty"):
         engine.query(query)
@@ -297,9 +299,69 @@ def test_the_cli_names_the_bad_line_of_a_dataset(tmp_path: Path, capsys: pytest.
     assert capsys.readouterr().err.startswith(f"llama-crag: {tmp_path / 'corpus.jsonl'}:2 is not valid JSON")
 
 
+@pytest.mark.parametrize(
+    ("corpus", "questions", "said"),
+    [
+        ('{"text": "no id"}', '{"qid": "q", "question": "Why?"}', "corpus.jsonl:1 has no 'doc_id' text"),
+        ('{"doc_id": "a", "text": null}', '{"qid": "q", "question": "Why?"}', "corpus.jsonl:1 has no 'text' string"),
+        ('["a", "b"]', '{"qid": "q", "question": "Why?"}', "corpus.jsonl:1 is not a JSON object but list"),
+        ('{"doc_id": "a", "text": "A."}', '{"question": "Why?"}', "questions.jsonl:1 has no 'qid' text"),
+        ('{"doc_id": "a", "text": "A."}', '{"qid": "q", "question": ""}', "has no 'question' or 'claim' text"),
+        ('{"doc_id": "a", "text": "A."}', '{"qid": "q", "question": ["Why?"]}', "has no 'question' or 'claim' text"),
+    ],
+)
+def test_the_cli_names_a_dataset_row_without_the_fields_it_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], corpus: str, questions: str, said: str
+) -> None:
+    (tmp_path / "corpus.jsonl").write_text(corpus + "\n")
+    (tmp_path / "questions.jsonl").write_text(questions + "\n")
+    assert main(["demo", "--dataset", str(tmp_path), "--limit", "1"]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_the_cli_names_a_dataset_that_is_not_utf8_or_too_small_to_measure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "corpus.jsonl").write_bytes(b'{"doc_id": "a", "text": "caf\xe9"}\n')
+    (tmp_path / "questions.jsonl").write_text('{"qid": "q", "question": "Why?"}\n')
+    assert main(["ingest", str(tmp_path), "--out", str(tmp_path / "index")]) == 2
+    assert "corpus.jsonl:1 is not UTF-8 text" in capsys.readouterr().err
+    (tmp_path / "corpus.jsonl").write_text('{"doc_id": "a", "text": "A cafe."}\n')
+    assert main(["grade-report", "--dataset", str(tmp_path), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    assert "1 question(s) cannot be split into 5 folds" in capsys.readouterr().err
+    (tmp_path / "questions.jsonl").write_text("")
+    assert main(["calibrate", "--dataset", str(tmp_path), "--out", str(tmp_path / "c.json"), "--no-progress"]) == 2
+    assert "holds no questions" in capsys.readouterr().err
+    (tmp_path / "taken").write_text("")
+    assert main(["ingest", str(tmp_path), "--out", str(tmp_path / "taken")]) == 2
+
+
 def test_the_cli_says_which_option_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve"]) == 2
     assert capsys.readouterr().err == "llama-crag: serve needs either --index INDEX_DIR or --store postgresql://...\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["serve", "--index", "x", "--port", "99999"], "--port: 99999 is not a port (0 to 65535)"),
+        (["serve", "--index", "x", "--workers", "0"], "--workers: 0 is below 1"),
+        (["serve", "--index", "x", "--query-timeout", "0"], "--query-timeout: 0 is not a time in seconds"),
+        (["serve", "--index", "x", "--rate-window", "inf"], "--rate-window: inf is not a time in seconds"),
+        (["serve", "--index", "x", "--max-body-bytes", "-1"], "--max-body-bytes: -1 is below 1"),
+        (["serve", "--index", "x", "--log-level", "loud"], "--log-level: invalid choice: 'loud'"),
+        (["demo", "--limit", "-1"], "--limit: -1 is below 1"),  # not the last question dropped
+        (["eval", "--dataset", "x", "--limit", "0"], "--limit: 0 is below 1"),
+        (["calibrate", "--dataset", "x", "--limit", "two"], "--limit: 'two' is not a whole number"),
+        (["grade-report", "--dataset", "x", "--folds", "1"], "--folds: 1 is below 2"),
+    ],
+)
+def test_the_cli_refuses_a_count_port_or_time_it_cannot_use_before_loading_anything(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_the_cli_leaves_a_bug_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

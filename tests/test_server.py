@@ -13,9 +13,11 @@ from typing import Any, Dict, Iterator, List
 import httpx
 import pytest
 from llama_index.core import VectorStoreIndex
+from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.llms.types import CompletionResponse
 from llama_index.core.llms import MockLLM
 from llama_index.core.response_synthesizers.no_text import NoText
+from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
@@ -272,6 +274,10 @@ def test_nul_and_lone_surrogates_in_a_request_are_replaced_or_refused(server: Li
 def test_malformed_and_oversized_requests(server: LiveServer) -> None:
     broken = _post(server, "/query", content=b'{"query": "unterminated', headers={"content-type": "application/json"})
     assert broken.status_code == 422 and broken.json()["error"]["code"] == "invalid_request"
+    assert broken.json()["error"]["message"].startswith("body: not valid JSON at character")
+    for body in (b'{"query": "\xff\xfe ARR"}', b'{"query": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"):
+        unreadable = _post(server, "/query", content=body, headers={"content-type": "application/json"})
+        assert unreadable.status_code == 422 and unreadable.json()["error"]["message"].startswith("body: not readable")
     big = _post(server, "/query", json={"query": "x", "pad": "y" * 70_000})
     assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
 
@@ -286,6 +292,13 @@ def test_malformed_and_oversized_requests(server: LiveServer) -> None:
     assert _post(server, "/v1/chat/completions", json={"messages": []}).status_code == 422
     no_user = _post(server, "/v1/chat/completions", json={"messages": [{"role": "system", "content": "hi"}]})
     assert no_user.status_code == 400 and no_user.json()["error"]["code"] == "no_user_message"
+    for text in (None, 5):
+        part = {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+        reply = _post(server, "/v1/chat/completions", json=part)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_message"
+    only_invisible = '{"messages": [{"role": "user", "content": "\\u200b\\ud800"}]}'  # JSON escapes, as sent
+    blank = _post(server, "/v1/chat/completions", content=only_invisible, headers={"content-type": "application/json"})
+    assert blank.status_code == 400 and "in the last user message" in blank.json()["error"]["message"]
     assert httpx.get(server.url + "/query").status_code == 405
     assert httpx.get(server.url + "/nowhere").json()["error"]["code"] == "not_found"
     assert httpx.get(server.url + "/healthz").status_code == 200  # still up
@@ -307,6 +320,23 @@ def test_recent_queries_and_metrics(loaded: Any) -> None:
     assert values['crag_actions_total{abstained="true",action="incorrect"}'] >= 2
     assert any(k.startswith("crag_query_seconds_bucket") for k in values)
     assert values['crag_http_requests_total{route="/query",status="200"}'] >= 4
+
+
+class Broken(BaseRetriever):
+    """A retriever with a bug in it: the server answers 500, and still counts the request."""
+
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        raise ZeroDivisionError("a bug")
+
+
+def test_a_crash_is_answered_500_and_counted_in_the_metrics(loaded: Any) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(retriever=Broken(), nodes=loaded.nodes[:3], llm=ScriptedLLM())
+    with LiveServer(create_app(engine)) as live:
+        for _ in range(2):
+            reply = _post(live, "/query", json={"query": ANSWERED})
+            assert reply.status_code == 500 and reply.json()["error"]["code"] == "internal_error"
+        metrics = httpx.get(live.url + "/metrics").text
+    assert 'crag_http_requests_total{route="/query",status="500"} 2.0' in metrics
 
 
 def test_api_key_guards_every_route_but_healthz(loaded: Any) -> None:

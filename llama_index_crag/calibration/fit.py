@@ -89,6 +89,8 @@ def labelled_batches(
     texts = [d.get_content(metadata_mode=MetadataMode.EMBED) for d in documents]
     ids = [d.doc_id for d in documents]
     questions = load_questions(folder)[:limit]
+    if not documents or not questions:
+        raise DatasetError(f"{folder} holds no {'documents' if not documents else 'questions'}: nothing to measure")
     matrix = unit_vectors(corpus_cache(embed_model, folder / "corpus.jsonl", cache_dir, progress), texts)
     queries = embed_model.get_text_embedding_batch([q.question for q in questions])
     batches: List[Batch] = []

@@ -65,6 +65,11 @@ def cross_validate(
     scored = score_batches(scorer, batches, progress=progress)
     fixed = scored.aggregate()
     kinds = np.asarray([b.kind for b in batches])
+    questions = len({b.question.qid for b in batches})
+    if questions < folds:
+        raise DatasetError(
+            f"{questions} question(s) cannot be split into {folds} folds: ask more (--limit) or fewer folds"
+        )
     fold_of = group_folds([b.question.qid for b in batches], folds)  # a question's two batches together
     features = (
         [scorer.features(b.question.question, b.texts) for b in batches] if isinstance(scorer, EvidenceScorer) else []

@@ -11,6 +11,7 @@ from typing import Any, List, Sequence
 
 from tqdm import tqdm
 
+from llama_index_crag.cli.args import positive_int
 from llama_index_crag.datasets import SAMPLE_DIR, Question, load_documents, load_questions
 from llama_index_crag.errors import GeneratorUnavailable
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
@@ -20,7 +21,7 @@ def add_parsers(commands: Any) -> None:
     """Add ``demo`` and ``doctor`` to ``llama-crag``'s subparsers."""
     demo = commands.add_parser("demo", help="answer the sample questions over the bundled sample corpus")
     demo.add_argument("--dataset", default=str(SAMPLE_DIR), help="folder with corpus.jsonl and questions.jsonl")
-    demo.add_argument("--limit", type=int, default=None, help="ask only the first N questions")
+    demo.add_argument("--limit", type=positive_int, default=None, help="ask only the first N questions")
     demo.add_argument("--ollama-url", default=DEFAULT_OLLAMA_URL, help="Ollama server to try first")
     demo.add_argument("--ollama-model", default=DEFAULT_OLLAMA_MODEL, help="Ollama model to use when it answers")
     demo.add_argument(

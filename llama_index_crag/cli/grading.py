@@ -11,6 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from llama_index_crag.calibration.reader_model import POOLINGS
+from llama_index_crag.cli.args import at_least, positive_int
 from llama_index_crag.errors import ConfigError
 
 
@@ -96,8 +97,10 @@ def add_parsers(commands: Any) -> None:
     _add_dataset_options(report)
     report.add_argument("--scorers", default="evidence,bi-encoder", help="comma-separated scorers to compare")
     report.add_argument("--calibration", default=None, help="use this file's thresholds on the rows it was not fit on")
-    report.add_argument("--folds", type=int, default=5, help="cross-validation folds when no calibration is given")
-    report.add_argument("--judge-limit", type=int, default=40, help="batches the (slow) LLM judge grades")
+    report.add_argument(
+        "--folds", type=at_least(2), default=5, help="cross-validation folds when no calibration is given"
+    )
+    report.add_argument("--judge-limit", type=at_least(0), default=40, help="batches the (slow) LLM judge grades")
     report.add_argument("--out", default="grade-report", help="folder for the JSON, Markdown and PNG")
     report.set_defaults(run=_grade_report)
     pairs = commands.add_parser(
@@ -106,8 +109,8 @@ def add_parsers(commands: Any) -> None:
     )
     pairs.add_argument("--pairs-file", required=True, help="JSONL of question, passage, label (source, title)")
     pairs.add_argument("--scorers", default="evidence,reader", help="comma-separated scorers (default comes first)")
-    pairs.add_argument("--folds", type=int, default=5, help="cross-validation folds for fitted scorers")
-    pairs.add_argument("--limit", type=int, default=None, help="a sample of N held-out pairs")
+    pairs.add_argument("--folds", type=at_least(2), default=5, help="cross-validation folds for fitted scorers")
+    pairs.add_argument("--limit", type=positive_int, default=None, help="a sample of N held-out pairs")
     pairs.add_argument("--out", default=None, help="also write the figures to this JSON file")
     pairs.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
     pairs.set_defaults(run=_grade_pairs)
@@ -135,8 +138,8 @@ def add_parsers(commands: Any) -> None:
 
 def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", required=True, help="folder with corpus.jsonl and questions.jsonl")
-    parser.add_argument("--k", type=int, default=5, help="candidates retrieved per question")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N questions")
+    parser.add_argument("--k", type=positive_int, default=5, help="candidates retrieved per question")
+    parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N questions")
     parser.add_argument("--target-precision", type=float, default=0.9, help="precision wanted of CORRECT")
     parser.add_argument("--target-recall", type=float, default=0.9, help="share of out-of-corpus batches to catch")
     parser.add_argument(
@@ -147,7 +150,9 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
         help="hold lower so that at most this share of the batches with the answer grade INCORRECT (a cap on false "
         "abstention that wins over --target-recall), e.g. 0.03",
     )
-    parser.add_argument("--strip-min-tokens", type=int, default=8, help="knowledge-strip size, as in the engine")
+    parser.add_argument(
+        "--strip-min-tokens", type=positive_int, default=8, help="knowledge-strip size, as in the engine"
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
 
 

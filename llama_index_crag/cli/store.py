@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from llama_index_crag.cli.args import LOG_LEVELS, port, positive_int, seconds
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 
@@ -47,11 +48,11 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument("--store", default=None, metavar="URL", help="serve a PostgreSQL store instead (ingest --store)")
     serve.add_argument("--table", default="crag", help="the store's name in PostgreSQL (with --store)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind")
-    serve.add_argument("--workers", type=int, default=1, help="worker processes over the same index folder")
+    serve.add_argument("--port", type=port, default=8000, help="port to bind")
+    serve.add_argument("--workers", type=positive_int, default=1, help="worker processes over the same index folder")
     serve.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="CPU threads of each worker's models (default: one worker uses every core, several share them out)",
     )
@@ -66,20 +67,20 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument("--gguf", default=None, help="a GGUF file for --llm llamacpp instead of the bundled SmolLM2")
     serve.add_argument("--disable-crag", action="store_true", help="plain retrieve-then-generate, for comparison")
     serve.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (repeatable)")
-    serve.add_argument("--max-body-bytes", type=int, default=64 * 1024, help="largest request body accepted")
+    serve.add_argument("--max-body-bytes", type=positive_int, default=64 * 1024, help="largest request body accepted")
     serve.add_argument(
         "--max-query-chars",
-        type=int,
+        type=positive_int,
         default=None,
         help="longest query accepted (default: the engine's max_query_chars, CRAG_MAX_QUERY_CHARS or 8000)",
     )
     serve.add_argument(
-        "--query-timeout", type=float, default=120.0, help="seconds a query may take before it is cut off"
+        "--query-timeout", type=seconds, default=120.0, help="seconds a query may take before it is cut off"
     )
     serve.add_argument(
-        "--rate-window", type=float, default=300.0, help="seconds behind crag_fallback_rate and crag_refusal_rate"
+        "--rate-window", type=seconds, default=300.0, help="seconds behind crag_fallback_rate and crag_refusal_rate"
     )
-    serve.add_argument("--log-level", default="info", help="uvicorn's log level")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level")
     serve.set_defaults(run=_serve)
 
 

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from llama_index_crag.cli.args import positive_int
 from llama_index_crag.core.settings import ANSWER_MODES, ON_UNGROUNDED
 from llama_index_crag.evaluation import SYSTEM_NAMES
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
@@ -27,7 +28,7 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
         default=",".join(SYSTEM_NAMES),
         help=f"comma-separated, from {', '.join(SYSTEM_NAMES)} (default: all)",
     )
-    parser.add_argument("--limit", type=int, default=None, help="ask only the first N questions")
+    parser.add_argument("--limit", type=positive_int, default=None, help="ask only the first N questions")
     parser.add_argument("--out", default=None, help="output folder (default: eval-out/<dataset name>)")
     parser.add_argument(
         "--no-generate",

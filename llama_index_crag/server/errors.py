@@ -32,6 +32,10 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+#: What FastAPI says of a body its JSON decoder raised on with anything but a decode error.
+UNPARSABLE_BODY = "There was an error parsing the body"
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Answer every error as JSON in OpenAI's shape: ours, FastAPI's validation, Starlette's 404 / 405, crashes."""
 
@@ -43,12 +47,20 @@ def add_error_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = []
         for error in exc.errors():
+            if error.get("type") == "json_invalid":  # its loc is ("body", offset), which reads as a field
+                reason = (error.get("ctx") or {}).get("error", "")
+                problems.append(
+                    f"body: not valid JSON at character {error['loc'][-1]}" + (f" ({reason})" if reason else "")
+                )
+                continue
             where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
             problems.append(f"{where}: {error.get('msg')}")
         return ApiError(422, "invalid_request", "; ".join(problems) or "the request body is not valid").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == UNPARSABLE_BODY:  # not UTF-8, nested too deep, another charset
+            return ApiError(422, "invalid_request", "body: not readable as JSON (send UTF-8 JSON)").response()
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return ApiError(exc.status_code, code, str(exc.detail)).response()
 

@@ -66,11 +66,19 @@ class RequestMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = time.monotonic()
+        started, responded = time.monotonic(), False
 
         async def counted(message: Dict[str, Any]) -> None:
+            nonlocal responded
             if message["type"] == "http.response.start":
+                responded = True
                 self.metrics.request(scope["path"], message["status"], time.monotonic() - started)
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            # A crash is answered (500) by Starlette's outermost middleware, outside this one: count it here.
+            if not responded:
+                self.metrics.request(scope["path"], 500, time.monotonic() - started)
+            raise

@@ -77,11 +77,12 @@ class QueryService:
             self._variants[key] = self.engine.variant(streaming=stream, explain=explain)
         return self._variants[key]
 
-    def check(self, query: Any) -> str:
+    def check(self, query: Any, where: str = "the 'query' field") -> str:
+        """The query as the engine takes it (``clean_text``), or a 400 that says what is wrong and where."""
         if isinstance(query, str):
             query = clean_text(query)
         if not isinstance(query, str) or is_blank(query):
-            raise ApiError(400, "empty_query", "the query is empty: send a question in the 'query' field")
+            raise ApiError(400, "empty_query", f"the query is empty: send a question in {where}")
         # The engine's own limit (one value for both): checked here too, to refuse before the engine is asked.
         limit = self.engine.settings.max_query_chars
         if len(query) > limit:

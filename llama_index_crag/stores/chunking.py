@@ -53,9 +53,10 @@ def clean_nodes(hits: Sequence[NodeWithScore]) -> List[NodeWithScore]:
 
 
 def is_blank(text: str) -> bool:
-    """Whether ``text`` says nothing: only whitespace and invisible format characters (zero-width spaces and
-    joiners, a byte-order mark, direction marks), which a pasted or generated query can consist of."""
-    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
+    """Whether ``text`` says nothing: only whitespace, invisible format characters (zero-width spaces and
+    joiners, a byte-order mark, direction marks) and U+FFFD (what ``clean_text`` leaves of a lone surrogate),
+    which a pasted or generated query can consist of."""
+    return all(c.isspace() or c == "\ufffd" or unicodedata.category(c) == "Cf" for c in text)
 
 
 def splitter() -> SentenceSplitter:

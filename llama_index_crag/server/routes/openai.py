@@ -35,9 +35,11 @@ def chat_query(request: ChatRequest) -> str:
         if message.role == "user":
             content = message.content
             if isinstance(content, list):  # content parts: keep the text ones
-                content = "\n".join(
-                    p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-                )
+                parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                texts = [t for t in parts if isinstance(t, str)]
+                if len(texts) < len(parts):
+                    raise ApiError(400, "invalid_message", "a text part of the last user message has no string 'text'")
+                content = "\n".join(texts)
             if not isinstance(content, str):
                 raise ApiError(400, "invalid_message", "the last user message has no text content")
             return content
@@ -54,7 +56,7 @@ def chat_query(request: ChatRequest) -> str:
 )
 async def chat(body: ChatRequest, service: Service) -> Any:
     """Answer the last user message as a chat completion, streamed or not."""
-    text = service.check(chat_query(body))
+    text = service.check(chat_query(body), "the last user message")
     started = time.monotonic()
     deadline = service.deadline()
     response = await service.run(text, False, body.stream, deadline)

@@ -1,0 +1,51 @@
+"""Argument types of ``llama-crag``: a count, a port or a time that cannot be used is refused by argparse, in one
+line, before any model loads (``--limit -1`` would otherwise slice from the end, ``--query-timeout 0`` cut off
+every query)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+#: uvicorn's log levels.
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _number(text: str, kind: type) -> float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """A whole number of at least ``least``."""
+
+    def parse(text: str) -> int:
+        value = int(_number(text, int))
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        return value
+
+    parse.__name__ = f"a whole number >= {least}"  # what argparse names in its error
+    return parse
+
+
+positive_int = at_least(1)
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535."""
+    value = int(_number(text, int))
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0 to 65535)")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A time in seconds, more than 0 and at most a day."""
+    value = float(_number(text, float))
+    if not (math.isfinite(value) and 0 < value <= 86400):
+        raise argparse.ArgumentTypeError(f"{text} is not a time in seconds (more than 0, at most 86400)")
+    return value
