@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -71,9 +72,13 @@ def _field(row: dict, where: str, *names: str) -> str:
 
 def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
     """The corpus as LlamaIndex documents: ``doc_id`` as id and metadata (hidden from models), ``title`` shown."""
-    documents = []
+    documents: List[Document] = []
+    seen: Dict[str, str] = {}
     for where, row in _numbered(Path(folder) / "corpus.jsonl"):
         doc_id = _field(row, where, "doc_id")
+        if doc_id in seen:  # the later would replace the earlier in any index, and answers would cite the wrong one
+            raise DatasetError(f"{where} repeats doc_id {doc_id!r} of {seen[doc_id]}: each document needs its own id")
+        seen[doc_id] = where
         text = row.get("text")
         if not isinstance(text, str):
             raise DatasetError(f"{where} has no 'text' string (document {doc_id!r})")
@@ -93,8 +98,8 @@ def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
 
 
 def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
-    """The labelled questions (SciFact's ``claim`` is read as the question)."""
-    return [
+    """The labelled questions (SciFact's ``claim`` is read as the question); a repeated ``qid`` is refused."""
+    questions = [
         Question(
             qid=_field(row, where, "qid"),
             question=_field(row, where, "question", "claim"),
@@ -106,6 +111,10 @@ def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
         )
         for where, row in _numbered(Path(folder) / "questions.jsonl")
     ]
+    repeated = sorted(q for q, n in Counter(q.qid for q in questions).items() if n > 1)
+    if repeated:
+        raise DatasetError(f"{Path(folder) / 'questions.jsonl'} repeats qid {', '.join(map(repr, repeated[:5]))}")
+    return questions
 
 
 def normalise_text(text: str) -> str:

@@ -308,6 +308,16 @@ def test_the_cli_names_the_bad_line_of_a_dataset(tmp_path: Path, capsys: pytest.
         ('{"doc_id": "a", "text": "A."}', '{"question": "Why?"}', "questions.jsonl:1 has no 'qid' text"),
         ('{"doc_id": "a", "text": "A."}', '{"qid": "q", "question": ""}', "has no 'question' or 'claim' text"),
         ('{"doc_id": "a", "text": "A."}', '{"qid": "q", "question": ["Why?"]}', "has no 'question' or 'claim' text"),
+        (
+            '{"doc_id": "a", "text": "A."}\n{"doc_id": "a", "text": "B."}',
+            '{"qid": "q", "question": "Why?"}',
+            "corpus.jsonl:2 repeats doc_id 'a' of",
+        ),
+        (
+            '{"doc_id": "a", "text": "A."}',
+            '{"qid": "q", "question": "Why?"}\n{"qid": "q", "question": "How?"}',
+            "questions.jsonl repeats qid 'q'",
+        ),
     ],
 )
 def test_the_cli_names_a_dataset_row_without_the_fields_it_needs(

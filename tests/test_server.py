@@ -302,6 +302,7 @@ def test_malformed_and_oversized_requests(server: LiveServer) -> None:
     assert httpx.get(server.url + "/query").status_code == 405
     assert httpx.get(server.url + "/nowhere").json()["error"]["code"] == "not_found"
     assert httpx.get(server.url + "/healthz").status_code == 200  # still up
+    assert httpx.head(server.url + "/healthz").status_code == 200  # what a load balancer may probe with
 
 
 def test_recent_queries_and_metrics(loaded: Any) -> None:

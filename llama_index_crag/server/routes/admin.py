@@ -53,7 +53,12 @@ async def console() -> FileResponse:
     return FileResponse(STATIC / "index.html", media_type="text/html", headers=CONSOLE_HEADERS)
 
 
-@public.get("/healthz", response_model=Health, responses={503: {"model": Health, "description": "Not ready."}})
+@public.api_route(
+    "/healthz",
+    methods=["GET", "HEAD"],
+    response_model=Health,
+    responses={503: {"model": Health, "description": "Not ready."}},
+)
 async def healthz(service: Service, response: Response) -> Health:
     """200 when the index is loaded and the generator answers, else 503 naming what is not ready."""
     generator = service.generator
