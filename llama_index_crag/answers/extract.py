@@ -189,8 +189,7 @@ def source_name(node: NodeWithScore) -> str:
 
 
 def quoted(strip: Strip) -> str:
-    """A strip as it is quoted: a sentence window on one line (a passage's line breaks are where its text was
-    wrapped), a table or code block with its lines and indentation, which are its meaning."""
+    """A strip as quoted: a sentence window on one line, a table or code block with its lines and indentation."""
     return strip.text.strip() if strip.whole_block else " ".join(strip.text.split())
 
 

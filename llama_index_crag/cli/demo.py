@@ -11,7 +11,7 @@ from typing import Any, List, Sequence
 
 from tqdm import tqdm
 
-from llama_index_crag.cli.args import positive_int
+from llama_index_crag.arguments import positive_int
 from llama_index_crag.datasets import SAMPLE_DIR, Question, load_documents, load_questions
 from llama_index_crag.errors import GeneratorUnavailable
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL

@@ -10,8 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from llama_index_crag.arguments import at_least, positive_int
 from llama_index_crag.calibration.reader_model import POOLINGS
-from llama_index_crag.cli.args import at_least, positive_int
 from llama_index_crag.errors import ConfigError
 
 

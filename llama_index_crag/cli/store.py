@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from llama_index_crag.cli.args import LOG_LEVELS, port, positive_int, seconds
+from llama_index_crag.arguments import LOG_LEVELS, port, positive_int, seconds
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 

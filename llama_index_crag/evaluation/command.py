@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from llama_index_crag.cli.args import positive_int
+from llama_index_crag.arguments import positive_int
 from llama_index_crag.core.settings import ANSWER_MODES, ON_UNGROUNDED
 from llama_index_crag.evaluation import SYSTEM_NAMES
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
