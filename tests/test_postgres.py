@@ -434,6 +434,27 @@ def test_a_killed_test_process_leaves_no_postgresql_behind() -> None:
         psycopg.connect(url, connect_timeout=5)
 
 
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://crag:s3cret@db:5432/rag", "postgresql://crag:***@db:5432/rag"),
+        (
+            "postgresql://crag@db/rag?password=s3cret&sslmode=require",
+            "postgresql://crag@db/rag?password=***&sslmode=require",
+        ),
+        ("postgresql://db/rag?sslmode=require&PASSWORD=s3cret", "postgresql://db/rag?sslmode=require&PASSWORD=***"),
+        ("host=db password=s3cret dbname=rag", "host=db password=*** dbname=rag"),
+        ("host=db password='s3 cret' dbname=rag", "host=db password=*** dbname=rag"),
+        ("postgresql://crag@db/rag", "postgresql://crag@db/rag"),
+    ],
+)
+def test_the_password_is_hidden_in_every_form_of_the_connection_string(url: str, shown: str) -> None:
+    # What /healthz (open without the API key), errors and the ingest summary show of the store.
+    from llama_index_crag.stores.postgres.store import redacted
+
+    assert redacted(url) == shown
+
+
 def test_an_unreachable_store_is_a_clear_error_and_the_store_recovers_when_it_is_back(tmp_path: Path) -> None:
     import httpx
 

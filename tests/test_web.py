@@ -178,6 +178,7 @@ def pages() -> Iterator[RecordingServer]:
                 "/download": _send(200, "application/octet-stream", b"MZ\x90\x00" * 50),
                 "/garbage": _send(200, "text/html", garbage),
                 "/wrong-charset": _send(200, "text/html; charset=utf-8", LATIN1),
+                "/utf16": _send(200, "text/html; charset=utf-16", LATIN1.decode("latin-1").encode("utf-16")),
                 "/redirect-off-list": _redirect(lambda: f"http://localhost:{server.port}/offlist"),
                 "/redirect-ok": _redirect(lambda: "/harbor"),
             }
@@ -199,6 +200,23 @@ class SearxNG:
             time.sleep(3)
         if self.mode == "failing":
             _send(500, "text/html", b"<h1>Internal Server Error</h1>")(h)
+            return
+        if self.mode == "drip":  # each read answers well within any per-read timeout; the whole never ends
+            h.send_response(200)
+            h.send_header("Content-Type", "application/json")
+            h.end_headers()
+            h.wfile.write(b'{"results": [')
+            for _ in range(40):
+                time.sleep(0.25)
+                h.wfile.write(b" ")
+                h.wfile.flush()
+            return
+        if self.mode == "not-a-list":
+            _send(200, "application/json", b'{"results": {"url": "http://example.org/"}}')(h)
+            return
+        if self.mode == "odd-items":
+            items = [None, "http://example.org/", 7, *({"url": u} for u in self.urls)]
+            _send(200, "application/json", json.dumps({"results": items}).encode())(h)
             return
         results = [{"url": u, "title": f"result {i}", "content": "", "engine": "test"} for i, u in enumerate(self.urls)]
         body = json.dumps({"query": self.queries[-1]["q"][0], "number_of_results": len(results), "results": results})
@@ -524,6 +542,37 @@ def test_a_page_with_the_wrong_declared_charset_is_decoded_by_detection(searxng:
     assert "café du port" in text and "\ufffd" not in text
 
 
+def test_a_page_in_the_utf16_it_declares_is_read_not_refused_as_binary(searxng: Any, pages: RecordingServer) -> None:
+    state, searx = searxng
+    state.urls = urls(pages, "/utf16")
+    strips, report = search_web(searx)
+    assert report["urls_used"] == [f"{pages.url}/utf16"]  # its NUL bytes are UTF-16's, not a binary file's
+    assert "café du port" in " ".join(s.node.get_content() for s in strips)
+
+
+def test_a_malformed_result_url_is_refused_and_the_other_results_still_used(
+    searxng: Any, pages: RecordingServer
+) -> None:
+    state, searx = searxng
+    state.urls = ["http://[::1/x", f"http://127.0.0.1:{pages.port}x/harbor", *urls(pages, "/harbor")]
+    strips, report = search_web(searx)
+    reasons = [r["reason"] for r in report["refused"]]
+    assert len(reasons) == 2 and all(r.startswith("not a valid URL") for r in reasons)
+    assert report["urls_used"] == [f"{pages.url}/harbor"] and strips
+
+
+def test_a_deny_list_entry_matches_the_host_in_either_spelling() -> None:
+    from llama_index_crag.errors import ConfigError
+    from llama_index_crag.web.pages import UrlPolicy
+
+    assert "deny list" in (UrlPolicy(deny=["bücher.de"]).check("http://xn--bcher-kva.de/buch") or "")
+    assert "deny list" in (UrlPolicy(deny=["xn--bcher-kva.de"]).check("http://shop.bücher.de/") or "")
+    assert UrlPolicy(deny=["bücher.de"]).check("http://example.org/") is None
+    for entry in ("https://evil.org", "evil.org:8080", "evil.org/path"):  # would never match: the list fails open
+        with pytest.raises(ConfigError, match="is not a domain"):
+            UrlPolicy(deny=[entry])
+
+
 def test_the_total_byte_budget_stops_further_pages(searxng: Any, pages: RecordingServer) -> None:
     state, searx = searxng
     state.urls = urls(pages, "/harbor", "/malicious")
@@ -628,6 +677,30 @@ def test_duckduckgo_through_ddgs_parses_a_loopback_html_results_page(
     [(method, _, body, _)] = ddg.requests
     assert method == "POST" and parse_qs(body.decode())["q"] == [REWRITTEN]
     assert [(r.url, r.title) for r in found] == [(f"{pages.url}/harbor", "Port of Vigo")]
+
+
+def test_a_searxng_answer_that_drips_forever_fails_within_the_search_timeout(searxng: Any) -> None:
+    from llama_index_crag.errors import WebSearchError
+
+    state, searx = searxng
+    state.mode = "drip"
+    started = time.monotonic()
+    with pytest.raises(WebSearchError, match="did not answer within 1 s"):
+        SearxNGSearch(searx.url).search(REWRITTEN, max_results=3, timeout_s=1.0)
+    assert time.monotonic() - started < 3.0, "httpx's timeout is per read: the whole answer needs its own deadline"
+
+
+def test_searxng_json_of_another_shape_is_a_search_error_and_odd_items_are_skipped(
+    searxng: Any, pages: RecordingServer
+) -> None:
+    from llama_index_crag.errors import WebSearchError
+
+    state, searx = searxng
+    state.mode = "not-a-list"
+    with pytest.raises(WebSearchError, match="without a 'results' list"):
+        SearxNGSearch(searx.url).search(REWRITTEN, max_results=3, timeout_s=2.0)
+    state.mode, state.urls = "odd-items", urls(pages, "/harbor")
+    assert [r.url for r in SearxNGSearch(searx.url).search(REWRITTEN, 3, 2.0)] == [f"{pages.url}/harbor"]
 
 
 def test_searxng_provider_reads_the_json_api(searxng: Any, pages: RecordingServer) -> None:

@@ -15,7 +15,7 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from llama_index_crag.core.settings import WebSearchSettings
-from llama_index_crag.errors import MissingDependency
+from llama_index_crag.errors import ConfigError, MissingDependency
 
 TEXT_TYPES = ("text/html", "application/xhtml+xml", "text/plain")
 MAX_REDIRECTS = 3
@@ -72,10 +72,14 @@ class UrlPolicy:
 
     def check(self, url: str) -> Optional[str]:
         """Why ``url`` must not be fetched, or None."""
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018  (reading it is what tells a bad port: "host:443x")
+        except ValueError as exc:
+            return f"not a valid URL ({exc})"
         if parts.scheme not in ("http", "https"):
             return f"scheme {parts.scheme or '(none)'!r} is not http(s)"
-        host = (parts.hostname or "").lower().rstrip(".")
+        host = _ascii_host((parts.hostname or "").lower().rstrip("."))
         if not host:
             return "the URL has no host"
         if any(_matches(host, d) for d in self.deny):
@@ -101,7 +105,23 @@ class UrlPolicy:
 
 
 def _domain(entry: str) -> str:
-    return entry.strip().lower().removeprefix("*.").rstrip(".")
+    """A list entry as a host is compared with it: lower case, in its ASCII (IDNA) spelling, so that
+    "bücher.de" and "xn--bcher-kva.de" are one entry. Anything but a domain (a URL, a port) is refused: it
+    would never match, and a deny list that matches nothing fails open."""
+    domain = entry.strip().lower().removeprefix("*.").rstrip(".")
+    if not re.fullmatch(r"[^\s/:@?#\[\]]+", domain):
+        raise ConfigError(
+            f"{entry!r} is not a domain for the web allow or deny list: write example.org or *.example.org"
+        )
+    return _ascii_host(domain)
+
+
+def _ascii_host(host: str) -> str:
+    """``host`` in its ASCII spelling (IDNA), as it goes on the wire; as given when it has none."""
+    try:
+        return host.encode("idna").decode("ascii")
+    except UnicodeError:
+        return host
 
 
 def _matches(host: str, domain: str) -> bool:
@@ -193,7 +213,7 @@ def _fetch(
                         return Refusal(url, "the web time budget ran out while reading it")
         except httpx.TimeoutException:
             return Refusal(url, f"no answer within {timeout:.3g} s")
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL: a redirect's bad Location, not an HTTPError
             return Refusal(url, f"{type(exc).__name__}: {exc}")
         return _page(url, bytes(body), content_type, mime)
     return Refusal(url, f"more than {MAX_REDIRECTS} redirects")
@@ -217,15 +237,19 @@ def decode(body: bytes, content_type: str = "") -> Optional[str]:
     web's legacy default, wins when it is among the candidates (detection alone
     guesses short Western pages wrong).
     """
+    header = re.search(r"charset=[\"']?([\w.:-]+)", content_type, re.I)
+    if header:  # first, and before the NUL test: UTF-16 text is full of NUL bytes
+        try:
+            return _text_or_none(body.decode(header.group(1)))
+        except (LookupError, UnicodeDecodeError):
+            pass
     if b"\x00" in body[:8192]:
         return None
     from bs4.dammit import EncodingDetector
     from charset_normalizer import from_bytes
 
-    header = re.search(r"charset=[\"']?([\w.:-]+)", content_type, re.I)
-    declared = [header.group(1)] if header else []
     page_declared = EncodingDetector.find_declared_encoding(body, is_html=True)
-    for encoding in [*declared, *([page_declared] if page_declared else [])]:
+    for encoding in [page_declared] if page_declared else []:
         try:
             return _text_or_none(body.decode(encoding))
         except (LookupError, UnicodeDecodeError):

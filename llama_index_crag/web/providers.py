@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Protocol, Sequence
 
@@ -11,6 +13,8 @@ from llama_index_crag.core.settings import WebSearchSettings
 from llama_index_crag.errors import ConfigError, MissingDependency, WebSearchError
 
 _INSTALL = "pip install 'llama-index-crag[web]'"
+#: The largest search answer read (a SearxNG page of results is tens of kilobytes).
+MAX_ANSWER_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -46,25 +50,39 @@ class SearxNGSearch:
         self.user_agent = user_agent
 
     def search(self, query: str, max_results: int, timeout_s: float) -> List[SearchResult]:
-        url = f"{self.base_url}/search"
+        # httpx's timeout bounds each read, not the call: a server that drips its answer a byte a second would hold
+        # the search for as long as it pleases. So the body is read here, against a deadline for the whole call.
+        deadline = time.monotonic() + timeout_s
+        late = WebSearchError(f"SearxNG at {self.base_url} did not answer within {timeout_s:g} s")
         try:
-            response = httpx.get(
-                url,
+            with httpx.stream(
+                "GET",
+                f"{self.base_url}/search",
                 params={"q": query, "format": "json"},
                 headers={"User-Agent": self.user_agent, "Accept": "application/json"},
                 timeout=timeout_s,
                 follow_redirects=False,
-            )
-            response.raise_for_status()
-            data = response.json()
+            ) as response:
+                response.raise_for_status()
+                body = bytearray()
+                for chunk in response.iter_bytes():
+                    body += chunk
+                    if time.monotonic() > deadline:
+                        raise late
+                    if len(body) > MAX_ANSWER_BYTES:
+                        raise WebSearchError(f"SearxNG at {self.base_url} answered over {MAX_ANSWER_BYTES:,} bytes")
+            data = json.loads(body)
         except httpx.TimeoutException as exc:
-            raise WebSearchError(f"SearxNG at {self.base_url} did not answer within {timeout_s:g} s") from exc
-        except (httpx.HTTPError, ValueError) as exc:
+            raise late from exc
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
             raise WebSearchError(
                 f"SearxNG at {self.base_url} failed: {type(exc).__name__}: {exc} "
                 "(is the instance up, and is 'json' in its search.formats?)"
             ) from exc
-        return _results(data.get("results", []), "url", "content", max_results)
+        results = data.get("results", []) if isinstance(data, dict) else None
+        if not isinstance(results, list):
+            raise WebSearchError(f"SearxNG at {self.base_url} answered JSON without a 'results' list")
+        return _results(results, "url", "content", max_results)
 
 
 class TavilySearch:
@@ -134,6 +152,8 @@ class DuckDuckGoSearch:
 def _results(items: Sequence[Mapping[str, Any]], url_key: str, snippet_key: str, limit: int) -> List[SearchResult]:
     results = []
     for item in items:
+        if not isinstance(item, Mapping):  # a provider's odd item is skipped, not the whole search
+            continue
         url = item.get(url_key)
         if isinstance(url, str) and url:
             results.append(

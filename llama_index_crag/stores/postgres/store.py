@@ -350,7 +350,12 @@ class PostgresStore:
 
 
 def redacted(url: str) -> str:
-    return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
+    """The connection string without its password, in every form libpq takes: ``user:pass@`` and
+    ``?password=`` in a URL, ``password=...`` among key=value pairs. It is shown on /healthz and in errors."""
+    if "://" in url:
+        url = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
+        return re.sub(r"([?&]password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
+    return re.sub(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", url, flags=re.IGNORECASE)
 
 
 def now_iso() -> str:
