@@ -75,7 +75,7 @@ def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
     documents: List[Document] = []
     seen: Dict[str, str] = {}
     for where, row in _numbered(Path(folder) / "corpus.jsonl"):
-        doc_id = _field(row, where, "doc_id")
+        doc_id = clean_text(_field(row, where, "doc_id"))  # an id is stored as text too (PostgreSQL refuses NUL)
         if doc_id in seen:  # the later would replace the earlier in any index, and answers would cite the wrong one
             raise DatasetError(f"{where} repeats doc_id {doc_id!r} of {seen[doc_id]}: each document needs its own id")
         seen[doc_id] = where

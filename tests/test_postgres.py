@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -390,6 +392,24 @@ def test_ingest_takes_documents_with_nul_surrogates_odd_names_and_a_huge_word(
     assert ids == {"nul.txt", "word.txt", "latin1-\\xe9t\\xe9.txt"}
     for store in stores.values():
         store.close()
+
+
+def test_a_row_the_database_refuses_is_a_store_error_not_an_outage(pg_url: str, tmp_path: Path) -> None:  # noqa: F811
+    from llama_index_crag.stores.postgres import StoreUnavailableError
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    rows = [{"doc_id": "nul\u0000id", "text": "The Ostmoor creamery ages Vell Blue for nine weeks."}]
+    (docs / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = PostgresStore(pg_url, table="odd_ids")
+    assert ingest(docs, store).added == ["nul id"]  # PostgreSQL refuses NUL in text: the id is cleaned as text is
+    random_id = os.urandom(4000).hex()  # past the btree index's row size limit (2,704 bytes) even compressed
+    rows.append({"doc_id": random_id, "text": "An id past the btree index's row size limit."})
+    (docs / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(StoreError, match="refused the work: ProgramLimitExceeded") as raised:
+        ingest(docs, store)
+    assert not isinstance(raised.value, StoreUnavailableError)  # the server answers; the row is what is wrong
+    store.close()
 
 
 def test_ingest_refuses_a_folder_without_documents(pg_url: str, tmp_path: Path) -> None:  # noqa: F811

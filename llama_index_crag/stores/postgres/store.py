@@ -218,6 +218,10 @@ class PostgresStore:
             with self.pool().connection() as conn:
                 yield conn
         except psycopg.OperationalError as exc:  # the pool's timeout too (PoolTimeout)
+            if not _unreachable(exc):  # an operational error about the work (a row past an index's size limit)
+                raise StoreError(
+                    f"the PostgreSQL store at {redacted(self.url)} refused the work: {type(exc).__name__}: {exc}"
+                ) from exc
             raise StoreUnavailableError(
                 f"the PostgreSQL store at {redacted(self.url)} cannot be reached: {type(exc).__name__}: {exc}"
             ) from exc
@@ -347,6 +351,14 @@ class PostgresStore:
             "embed_model": meta.get("embed_model"),
             "index_precision": meta.get("index_precision", "full"),
         }
+
+
+def _unreachable(exc: Exception) -> bool:
+    """Whether an ``OperationalError`` says the server cannot be reached or used now (no SQLSTATE: the connection
+    failed or the pool timed out; class 08 connection exception, 57 operator intervention such as a shutdown, 53
+    insufficient resources such as too many connections), rather than that it refused this work."""
+    state = getattr(exc, "sqlstate", None)
+    return state is None or state[:2] in ("08", "53", "57")
 
 
 def redacted(url: str) -> str:
