@@ -550,3 +550,65 @@ def test_grade_pairs_cross_validates_by_article_and_says_so_when_there_is_only_o
     (result,) = json.loads(out.read_text())["results"]
     assert result["protocol"] == "2-fold cross-validation by article or question"
     assert result["figures"]["all"]["pairs"] == 8
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"[1, 2]", "is not a calibration"),
+        (b"null", "is not a calibration"),
+        (b'{"version": 1, "thresholds": null}', "is not a calibration"),
+        (b"\xff\xfe{}", "is not valid JSON"),
+    ],
+)
+def test_a_calibration_file_of_another_shape_is_a_config_error(tmp_path: Path, content: bytes, said: str) -> None:
+    from llama_index_crag.core.settings_sources import read_calibration
+    from llama_index_crag.errors import ConfigError
+
+    (tmp_path / "cal.json").write_bytes(content)
+    with pytest.raises(ConfigError, match=said):
+        read_calibration(tmp_path / "cal.json", None)
+    with pytest.raises(ConfigError, match="is a folder"):
+        read_calibration(tmp_path, None)
+
+
+def test_a_nan_upstream_score_is_an_error_not_an_order_dependent_verdict() -> None:
+    from llama_index.core.schema import NodeWithScore, QueryBundle
+
+    from llama_index_crag.scorers.reuse import UpstreamScoreScorer
+
+    scorer = UpstreamScoreScorer(normalization="sigmoid")
+    for scores in ([math.nan, 5.0], [5.0, math.nan]):
+        nodes = [NodeWithScore(node=n, score=s) for n, s in zip((ALPHA, BETA), scores)]
+        with pytest.raises(ValueError, match="NaN score"):
+            scorer.score_nodes(QueryBundle("alpha project budget"), nodes)
+
+
+@pytest.mark.parametrize(
+    ("row", "said"),
+    [
+        ({"question": "Why?", "passage": "Because.", "label": 0.9}, "label of 0 or 1, not 0.9"),
+        ({"question": "Why?", "passage": "Because.", "label": True}, "label of 0 or 1, not True"),
+        ({"question": None, "passage": "Because.", "label": 1}, "each non-empty text"),
+        ({"question": "Why?", "passage": ["a", "b"], "label": 1}, "each non-empty text"),
+    ],
+)
+def test_a_pair_is_read_as_written_never_coerced(tmp_path: Path, row: dict, said: str) -> None:
+    from llama_index_crag.calibration.labelled import read_rows
+    from llama_index_crag.errors import DatasetError
+
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(DatasetError, match=f"pairs.jsonl:1: needs a .*{said}"):
+        list(read_rows(tmp_path / "pairs.jsonl"))
+    (tmp_path / "pairs.jsonl").write_bytes(b'{"question": "caf\xe9"}\n')
+    with pytest.raises(DatasetError, match="pairs.jsonl:1 is not UTF-8"):
+        list(read_rows(tmp_path / "pairs.jsonl"))
+
+
+def test_calibrate_refuses_a_target_no_threshold_can_meet_and_snippets_its_own_dataset(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["calibrate", "--dataset", str(SAMPLE_DIR), "--target-precision", "1.5"]) == 2
+    assert "--target-precision is a share: more than 0 and at most 1, got 1.5" in capsys.readouterr().err
+    assert main(["snippets", "--dataset", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "would overwrite the dataset" in capsys.readouterr().err

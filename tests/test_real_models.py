@@ -182,6 +182,16 @@ def test_both_cross_encoder_backends_load_a_local_path_and_agree(cross_encoder_d
     assert st.name != flag.name
 
 
+@pytest.mark.parametrize("backend", ["sentence-transformers", "flagembedding"])
+def test_a_folder_without_a_model_is_a_one_line_grader_load_error(tmp_path: Path, backend: str) -> None:
+    from llama_index_crag.errors import GraderLoadError
+
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(GraderLoadError, match=f"cannot load the cross-encoder '{tmp_path}'") as raised:
+        CrossEncoderScorer(str(tmp_path), backend=backend)  # type: ignore[arg-type]
+    assert "\n" not in str(raised.value)
+
+
 def test_an_unknown_backend_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown cross-encoder backend 'onnx'"):
         CrossEncoderScorer("x", backend="onnx")  # type: ignore[arg-type]

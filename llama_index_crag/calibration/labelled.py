@@ -51,17 +51,26 @@ def read_rows(path: Path | str) -> Iterator[Dict[str, Any]]:
     """The file's rows, each checked for a non-empty question and passage and a 0/1 label."""
     path = Path(path)
     with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                question, passage, label = str(row["question"]), str(row["passage"]), int(row["label"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise DatasetError(f"{path}:{number}: not a (question, passage, label) pair: {exc}") from exc
-            if label not in (0, 1) or not question.strip() or not passage.strip():
-                raise DatasetError(f"{path}:{number}: needs a question, a passage and a label of 0 or 1")
-            yield row
+        number = 0
+        try:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    question, passage, label = row["question"], row["passage"], row["label"]
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise DatasetError(f"{path}:{number}: not a (question, passage, label) pair: {exc}") from exc
+                # No coercion: a label of 0.9 is not 0, and a list is not a passage.
+                if not (
+                    isinstance(question, str) and question.strip() and isinstance(passage, str) and passage.strip()
+                ):
+                    raise DatasetError(f"{path}:{number}: needs a question and a passage, each non-empty text")
+                if isinstance(label, bool) or label not in (0, 1):  # 0.9 is not 0, and true is not 1
+                    raise DatasetError(f"{path}:{number}: needs a label of 0 or 1, not {label!r}")
+                yield row
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"{path}:{number + 1} is not UTF-8 text ({exc.reason})") from exc
 
 
 def load_labelled_pairs(

@@ -158,6 +158,9 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
 
 def _targets(args: argparse.Namespace) -> dict:
     targets = {"target_precision": args.target_precision, "target_recall": args.target_recall}
+    for option, share in (("--target-precision", args.target_precision), ("--target-recall", args.target_recall)):
+        if not 0.0 < share <= 1.0:  # a precision of 1.5 is met by no threshold, and the file would not say so
+            raise ConfigError(f"{option} is a share: more than 0 and at most 1, got {share}")
     if args.max_false_reject is not None:
         if not 0.0 <= args.max_false_reject < 1.0:
             raise ConfigError(f"--max-false-reject must be at least 0 and below 1, got {args.max_false_reject}")
@@ -326,6 +329,8 @@ def _grade_pairs(args: argparse.Namespace) -> int:
 def _snippets(args: argparse.Namespace) -> int:
     from llama_index_crag.evaluation.snippets import snippet_set
 
+    if Path(args.out).resolve() == Path(args.dataset).resolve():
+        raise ConfigError("snippets --out must be another folder than --dataset: it would overwrite the dataset")
     counts = snippet_set(Path(args.dataset), Path(args.out), args.min_words)
     print(
         f"Wrote {counts['snippets']} snippets and {counts['questions']} questions to {args.out} "

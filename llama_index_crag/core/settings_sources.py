@@ -180,8 +180,14 @@ def read_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, 
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(f"calibration file {path} does not exist") from exc
-    except json.JSONDecodeError as exc:
+    except IsADirectoryError as exc:
+        raise ConfigError(
+            f"calibration file {path} is a folder: name the JSON file `llama-crag calibrate` wrote"
+        ) from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"calibration file {path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("thresholds", {}), dict):
+        raise ConfigError(f"calibration file {path} is not a calibration (a JSON object with a 'thresholds' object)")
     version = data.get("version")
     if version != CALIBRATION_VERSION:
         raise ConfigError(

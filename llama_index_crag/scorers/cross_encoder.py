@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Literal, Optional, Sequence
+from typing import Any, Callable, List, Literal, Optional, Sequence
 
-from llama_index_crag.errors import MissingDependency
+from llama_index_crag.errors import GraderLoadError, MissingDependency
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 
 Backend = Literal["sentence-transformers", "flagembedding"]
@@ -49,7 +49,7 @@ class CrossEncoderScorer(RelevanceScorer):
                 raise MissingDependency(
                     "CrossEncoderScorer needs sentence-transformers: pip install 'llama-index-crag[cross-encoder]'"
                 ) from exc
-            self._model = CrossEncoder(model, max_length=max_length, device=device)
+            self._model = _loaded(model, lambda: CrossEncoder(model, max_length=max_length, device=device))
         elif backend == "flagembedding":
             try:
                 from FlagEmbedding import FlagReranker
@@ -59,7 +59,9 @@ class CrossEncoderScorer(RelevanceScorer):
                     "(with transformers<5, sentence-transformers<6): "
                     "pip install 'llama-index-crag[flagembedding]'"
                 ) from exc
-            self._model = FlagReranker(model, use_fp16=False, max_length=max_length, devices=device or "cpu")
+            self._model = _loaded(
+                model, lambda: FlagReranker(model, use_fp16=False, max_length=max_length, devices=device or "cpu")
+            )
         else:
             raise ValueError(
                 f"unknown cross-encoder backend {backend!r}: use 'sentence-transformers' or 'flagembedding'"
@@ -83,3 +85,16 @@ class CrossEncoderScorer(RelevanceScorer):
             if isinstance(logits, float):
                 logits = [logits]
         return [sigmoid(float(v)) for v in logits]
+
+
+def _loaded(model: str, load: Callable[[], Any]) -> Any:
+    """``load()``, or a ``GraderLoadError`` in one line: a model-hub name on a machine without the hub fails after
+    the hub client's retries with an ``OSError``, and a folder that holds no model with a ``ValueError``."""
+    try:
+        return load()
+    except (OSError, ValueError) as exc:
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:200]  # its first sentence
+        raise GraderLoadError(
+            f"cannot load the cross-encoder {model!r} ({type(exc).__name__}: {said}): name a local folder that holds "
+            "the model, or a model-hub name on a machine that reaches the hub"
+        ) from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, List, Literal, Optional, Sequence
 
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
@@ -58,6 +59,8 @@ class UpstreamScoreScorer(RelevanceScorer):
         return cls(reranker=reranker, normalization=normalization)
 
     def _normalise(self, raw: Optional[float]) -> float:
+        if raw is not None and math.isnan(raw):
+            raise ValueError("a node reached the grader with a NaN score: the upstream reranker failed on it")
         if raw is None:
             raise ValueError(
                 "a node reached the grader without a score: UpstreamScoreScorer needs a "
