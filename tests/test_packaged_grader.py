@@ -108,6 +108,22 @@ def test_a_damaged_grader_is_refused_with_a_clear_error(tmp_path: Path) -> None:
         ReaderScorer(truncated)
 
 
+def test_weights_damaged_inside_their_tensors_are_refused_not_scored_as_zero(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "grader"
+    shutil.copytree(PACKAGED, copy)
+    tensors = load_file(str(copy / WEIGHTS_FILE))
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[:1000] = float("nan")  # what flipped exponent bits make of a float; the header stays valid
+    save_file(tensors, str(copy / WEIGHTS_FILE))
+    info = json.loads((copy / GRADER_FILE).read_text())
+    del info["weights_sha256"]  # a grader straight from train-grader records none
+    (copy / GRADER_FILE).write_text(json.dumps(info))
+    with pytest.raises(GraderLoadError, match="not finite numbers: the file is damaged"):
+        ReaderScorer(copy)
+
+
 def test_a_damaged_packaged_grader_falls_back_to_the_evidence_scorer_and_every_trace_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -335,3 +335,24 @@ def test_a_packed_grader_reads_as_the_trained_one_at_half_the_size(grader: Path,
     fitted = json.loads(calibration.read_text())
     assert shipped.weights.tolist() == pytest.approx(fitted["scorer_state"]["weights"])
     assert shipped.default_thresholds["upper"] == pytest.approx(fitted["thresholds"]["upper"])
+
+
+def test_pack_grader_checks_everything_before_it_writes_anything(tmp_path: Path) -> None:
+    from llama_index_crag.calibration.packaging import pack_grader
+    from llama_index_crag.errors import ConfigError
+    from llama_index_crag.scorers.reader import packaged_grader_path
+
+    source = tmp_path / "grader"
+    shutil.copytree(packaged_grader_path(), source)
+    with pytest.raises(ConfigError, match="would overwrite its input"):
+        pack_grader(source, source)
+    calibration = tmp_path / "calibration.json"
+    fitted = {"version": 1, "scorer": "reader:x", "thresholds": {"upper": 0.9, "lower": 0.4}}
+    for broken, said in (
+        (fitted, "no fitted stack"),
+        ({**fitted, "scorer_state": {}, "thresholds": {"upper": 0.2, "lower": 0.9}}, "lower <= upper"),
+    ):
+        calibration.write_text(json.dumps(broken))
+        with pytest.raises(ConfigError, match=said):
+            pack_grader(source, tmp_path / "packed", calibration)
+        assert not (tmp_path / "packed").exists()

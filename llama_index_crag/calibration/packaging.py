@@ -32,7 +32,23 @@ def pack_grader(
     from llama_index_crag.scorers.reader import load_reader
 
     grader, out = Path(grader), Path(out)
+    if out.resolve() == grader.resolve():
+        raise ConfigError(f"pack-grader would overwrite its input {grader}: name another --out")
     _, _, info = load_reader(grader, quantize=False)  # refuses a grader that would not load
+    fitted: Dict[str, Any] = {}
+    if calibration is not None:  # checked whole before anything is written
+        data = read_calibration(calibration, None)  # the same checks the engine makes
+        scorer = str(data.get("scorer", ""))
+        if not scorer.startswith("reader:"):
+            raise ConfigError(f"{calibration} was fitted for scorer {scorer!r}, not for a reader")
+        if not isinstance(data.get("scorer_state"), dict):
+            raise ConfigError(f"{calibration} holds no fitted stack (scorer_state): calibrate with --scorer reader:DIR")
+        thresholds = data["thresholds"]
+        if not 0.0 <= thresholds["lower"] <= thresholds["upper"] <= 1.0:
+            raise ConfigError(f"{calibration}: thresholds must satisfy 0 <= lower <= upper <= 1, got {thresholds}")
+        fitted["stack"] = data["scorer_state"]
+        fitted["thresholds"] = {k: thresholds[k] for k in ("upper", "lower", "strip_threshold") if k in thresholds}
+        fitted["calibration"] = {k: data.get(k) for k in ("dataset", "created", "samples", "achieved")}
     out.mkdir(parents=True, exist_ok=True)
     weights, metadata = read_weights(grader / WEIGHTS_FILE)  # full weights, or an adapter and head
     save_weights(weights, out / WEIGHTS_FILE, half=True, metadata=metadata or None)
@@ -41,16 +57,7 @@ def pack_grader(
     packed["weights_dtype"] = "float16"
     packed["weights_sha256"] = file_sha256(out / WEIGHTS_FILE)
     packed["quantize"] = quantize
-    if calibration is not None:
-        data = json.loads(Path(calibration).read_text(encoding="utf-8"))
-        scorer = str(data.get("scorer", ""))
-        if not scorer.startswith("reader:"):
-            raise ConfigError(f"{calibration} was fitted for scorer {scorer!r}, not for a reader")
-        read_calibration(calibration, scorer)  # the same checks the engine makes
-        packed["stack"] = data["scorer_state"]
-        thresholds = data["thresholds"]
-        packed["thresholds"] = {k: thresholds[k] for k in ("upper", "lower", "strip_threshold") if k in thresholds}
-        packed["calibration"] = {k: data.get(k) for k in ("dataset", "created", "samples", "achieved")}
+    packed.update(fitted)
     (out / GRADER_FILE).write_text(json.dumps(packed, indent=2) + "\n", encoding="utf-8")
     if notice:
         (out / NOTICE_FILE).write_text(notice, encoding="utf-8")

@@ -80,6 +80,11 @@ def load_reader(
     reader = Reader(base, int(info["max_length"]), pooling=str(info.get("config", {}).get("pooling", "mean")))
     reader.load(weights)
     reader.model.eval()
+    import torch
+
+    # A file damaged inside its tensors (not its header) loads, and scores NaN, which clamps to 0 for every passage.
+    if not all(bool(torch.isfinite(p).all()) for p in reader.model.parameters()):
+        raise GraderLoadError(f"{weights} holds weights that are not finite numbers: the file is damaged; retrain it")
     quantize = bool(info.get("quantize", True)) if quantize is None else quantize
     return reader, reader.quantized_encoder() if quantize else reader.encoder, info
 
