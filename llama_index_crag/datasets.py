@@ -33,11 +33,11 @@ class Question:
 
 def read_jsonl(path: Path) -> Iterator[dict]:
     """The JSON objects of a JSON-lines file, one a line (blank lines skipped); a clear error names a bad line."""
-    for _, row in _numbered(path):
+    for _, row in numbered_rows(path):
         yield row
 
 
-def _numbered(path: Path) -> Iterator[Tuple[str, dict]]:
+def numbered_rows(path: Path) -> Iterator[Tuple[str, dict]]:
     """``read_jsonl``'s objects, each with where it stands (``path:line``) for an error about its fields."""
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: a dataset folder holds corpus.jsonl and questions.jsonl")
@@ -74,7 +74,7 @@ def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
     """The corpus as LlamaIndex documents: ``doc_id`` as id and metadata (hidden from models), ``title`` shown."""
     documents: List[Document] = []
     seen: Dict[str, str] = {}
-    for where, row in _numbered(Path(folder) / "corpus.jsonl"):
+    for where, row in numbered_rows(Path(folder) / "corpus.jsonl"):
         doc_id = clean_text(_field(row, where, "doc_id"))  # an id is stored as text too (PostgreSQL refuses NUL)
         if doc_id in seen:  # the later would replace the earlier in any index, and answers would cite the wrong one
             raise DatasetError(f"{where} repeats doc_id {doc_id!r} of {seen[doc_id]}: each document needs its own id")
@@ -109,7 +109,7 @@ def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
             split=row.get("split"),
             evidence={str(doc): list(e.get("sentences", [])) for doc, e in (row.get("evidence") or {}).items()},
         )
-        for where, row in _numbered(Path(folder) / "questions.jsonl")
+        for where, row in numbered_rows(Path(folder) / "questions.jsonl")
     ]
     repeated = sorted(q for q, n in Counter(q.qid for q in questions).items() if n > 1)
     if repeated:

@@ -14,7 +14,6 @@ split.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
@@ -22,6 +21,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 import numpy as np
 
 from llama_index_crag.calibration.training import Pair, PairSet
+from llama_index_crag.datasets import numbered_rows
 from llama_index_crag.errors import DatasetError
 
 #: The share of each source's groups held out for checkpoint selection and figures.
@@ -49,28 +49,14 @@ def is_held_out(row: Mapping[str, Any], share: float = HELD_OUT_SHARE) -> bool:
 
 def read_rows(path: Path | str) -> Iterator[Dict[str, Any]]:
     """The file's rows, each checked for a non-empty question and passage and a 0/1 label."""
-    path = Path(path)
-    with path.open(encoding="utf-8") as handle:
-        number = 0
-        try:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    question, passage, label = row["question"], row["passage"], row["label"]
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise DatasetError(f"{path}:{number}: not a (question, passage, label) pair: {exc}") from exc
-                # No coercion: a label of 0.9 is not 0, and a list is not a passage.
-                if not (
-                    isinstance(question, str) and question.strip() and isinstance(passage, str) and passage.strip()
-                ):
-                    raise DatasetError(f"{path}:{number}: needs a question and a passage, each non-empty text")
-                if isinstance(label, bool) or label not in (0, 1):  # 0.9 is not 0, and true is not 1
-                    raise DatasetError(f"{path}:{number}: needs a label of 0 or 1, not {label!r}")
-                yield row
-        except UnicodeDecodeError as exc:
-            raise DatasetError(f"{path}:{number + 1} is not UTF-8 text ({exc.reason})") from exc
+    for where, row in numbered_rows(Path(path)):
+        question, passage, label = row.get("question"), row.get("passage"), row.get("label")
+        # No coercion: a label of 0.9 is not 0, and a list is not a passage.
+        if not (isinstance(question, str) and question.strip() and isinstance(passage, str) and passage.strip()):
+            raise DatasetError(f"{where}: needs a question and a passage, each non-empty text")
+        if isinstance(label, bool) or label not in (0, 1):  # 0.9 is not 0, and true is not 1
+            raise DatasetError(f"{where}: needs a label of 0 or 1, not {label!r}")
+        yield row
 
 
 def load_labelled_pairs(
