@@ -612,3 +612,31 @@ def test_calibrate_refuses_a_target_no_threshold_can_meet_and_snippets_its_own_d
     assert "--target-precision is a share: more than 0 and at most 1, got 1.5" in capsys.readouterr().err
     assert main(["snippets", "--dataset", str(tmp_path), "--out", str(tmp_path)]) == 2
     assert "would overwrite the dataset" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("state", "said"),
+    [
+        ({"weights": [math.nan] * (len(FEATURES) + 1), "features": list(FEATURES)}, "weights must be finite numbers"),
+        ({"weights": ["a"] * (len(FEATURES) + 1), "features": list(FEATURES)}, "weights are not a list of numbers"),
+        ({"features": list(FEATURES)}, "scorer_state holds no weights"),
+        ([1, 2, 3], "scorer_state holds no weights"),
+        (
+            {"weights": [0.5] * (len(FEATURES) + 1), "features": list(FEATURES), "rival_means": [0.1]},
+            "rival_means has 1 values, not 3",
+        ),
+    ],
+)
+def test_a_damaged_fitted_state_in_a_calibration_file_stops_the_engine(
+    embed_model: Any, tmp_path: Path, state: Any, said: str
+) -> None:
+    from llama_index_crag import CorrectiveQueryEngine
+    from llama_index_crag.errors import ConfigError
+
+    scorer = EvidenceScorer(embed_model)
+    calibration = {"version": 1, "scorer": scorer.name, "thresholds": {"upper": 0.8, "lower": 0.4}}
+    (tmp_path / "cal.json").write_text(json.dumps({**calibration, "scorer_state": state}))
+    with pytest.raises(ConfigError, match=said):  # NaN weights would score every passage 0: abstain on everything
+        CorrectiveQueryEngine.from_defaults(
+            nodes=[ALPHA, BETA], embed_model=embed_model, scorer=scorer, calibration_path=str(tmp_path / "cal.json")
+        )

@@ -309,10 +309,18 @@ class EvidenceScorer(RelevanceScorer):
         }
 
     def load_state(self, state: Mapping[str, Any]) -> EvidenceScorer:
-        """Load weights written by ``state`` (refusing a different feature set)."""
+        """Load weights written by ``state`` (refusing a different feature set, and numbers that are not finite:
+        a NaN weight would score every passage 0, and the engine would abstain on everything)."""
+        if not isinstance(state, Mapping) or "weights" not in state:
+            raise ConfigError("the calibration's scorer_state holds no weights: calibrate again")
         self.weights = align_weights(state.get("features", []), state["weights"], self.feature_names)
         if "rival_means" in state:
-            self.rival_means = np.asarray(state["rival_means"], dtype=np.float64)
+            means = finite_numbers(state["rival_means"], "rival_means")
+            if means.shape != np.shape(self.rival_means):
+                raise ConfigError(
+                    f"the calibration's rival_means has {means.size} values, not {np.size(self.rival_means)}"
+                )
+            self.rival_means = means
         return self
 
 
@@ -323,11 +331,23 @@ def align_weights(fitted_for: Sequence[str], weights: Sequence[float], names: Se
     difference in the features is refused, since the weights would mean something else.
     """
     fitted_for = list(fitted_for)
+    values = finite_numbers(weights, "weights")
     expected = [n for n in names if n not in ADDED_FEATURES or n in fitted_for]
-    if fitted_for != expected or len(weights) != len(fitted_for) + 1:
+    if fitted_for != expected or len(values) != len(fitted_for) + 1:
         raise ConfigError(f"calibration weights are for features {fitted_for}, not {list(names)}")
-    by_name = dict(zip(fitted_for, weights))
-    return np.asarray([by_name.get(n, 0.0) for n in names] + [weights[-1]], dtype=np.float64)
+    by_name = dict(zip(fitted_for, values))
+    return np.asarray([by_name.get(n, 0.0) for n in names] + [values[-1]], dtype=np.float64)
+
+
+def finite_numbers(values: Any, what: str) -> np.ndarray:
+    """``values`` as a flat array of finite floats, or a ``ConfigError`` naming ``what`` of the calibration."""
+    try:
+        array = np.asarray(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"the calibration's {what} are not a list of numbers: {values!r}") from exc
+    if isinstance(values, (str, bytes, Mapping)) or not np.isfinite(array).all():
+        raise ConfigError(f"the calibration's {what} must be finite numbers: {values!r}")
+    return array
 
 
 def fit_logistic(features: np.ndarray, labels: ArrayLike) -> np.ndarray:
