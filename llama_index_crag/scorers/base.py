@@ -1,4 +1,4 @@
-"""The one interface every relevance scorer implements."""
+"""The one interface every relevance scorer implements, and the numbers a fitted scorer's state is made of."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import math
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+from numpy.typing import ArrayLike
+
+from llama_index_crag.errors import ConfigError, DatasetError
 
 
 def sigmoid(value: float) -> float:
@@ -90,3 +94,25 @@ class RelevanceScorer(ABC):
             for i, score in zip(live, found):
                 scores[i] = min(1.0, max(0.0, float(score)))
         return scores
+
+
+def finite_numbers(values: Any, what: str) -> np.ndarray:
+    """``values`` as a flat array of finite floats, or a ``ConfigError`` naming ``what`` of the calibration."""
+    try:
+        array = np.asarray(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"the calibration's {what} are not a list of numbers: {values!r}") from exc
+    if isinstance(values, (str, bytes, Mapping)) or not np.isfinite(array).all():
+        raise ConfigError(f"the calibration's {what} must be finite numbers: {values!r}")
+    return array
+
+
+def fit_logistic(features: np.ndarray, labels: ArrayLike) -> np.ndarray:
+    """Class-balanced logistic regression: one weight per feature column, then the bias."""
+    from sklearn.linear_model import LogisticRegression
+
+    y = np.asarray(labels, dtype=bool)
+    if y.all() or not y.any():
+        raise DatasetError("fitting a scorer's weights needs both relevant and irrelevant pairs")
+    model = LogisticRegression(C=1.0, max_iter=2000, class_weight="balanced").fit(features, y)
+    return np.concatenate([model.coef_[0], model.intercept_])

@@ -16,9 +16,9 @@ from numpy.typing import ArrayLike
 from rapidfuzz import process
 from rapidfuzz.distance import DamerauLevenshtein
 
-from llama_index_crag.errors import ConfigError, DatasetError
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.answer_type import answer_type, constraints, turned_round
-from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
+from llama_index_crag.scorers.base import RelevanceScorer, finite_numbers, fit_logistic, sigmoid
 from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
 from llama_index_crag.stores.chunking import split_sentences
 
@@ -337,28 +337,6 @@ def align_weights(fitted_for: Sequence[str], weights: Sequence[float], names: Se
         raise ConfigError(f"calibration weights are for features {fitted_for}, not {list(names)}")
     by_name = dict(zip(fitted_for, values))
     return np.asarray([by_name.get(n, 0.0) for n in names] + [values[-1]], dtype=np.float64)
-
-
-def finite_numbers(values: Any, what: str) -> np.ndarray:
-    """``values`` as a flat array of finite floats, or a ``ConfigError`` naming ``what`` of the calibration."""
-    try:
-        array = np.asarray(values, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"the calibration's {what} are not a list of numbers: {values!r}") from exc
-    if isinstance(values, (str, bytes, Mapping)) or not np.isfinite(array).all():
-        raise ConfigError(f"the calibration's {what} must be finite numbers: {values!r}")
-    return array
-
-
-def fit_logistic(features: np.ndarray, labels: ArrayLike) -> np.ndarray:
-    """Class-balanced logistic regression: one weight per feature column, then the bias."""
-    from sklearn.linear_model import LogisticRegression
-
-    y = np.asarray(labels, dtype=bool)
-    if y.all() or not y.any():
-        raise DatasetError("fitting a scorer's weights needs both relevant and irrelevant pairs")
-    model = LogisticRegression(C=1.0, max_iter=2000, class_weight="balanced").fit(features, y)
-    return np.concatenate([model.coef_[0], model.intercept_])
 
 
 def _lift(values: np.ndarray, rivals: np.ndarray) -> np.ndarray:

@@ -21,8 +21,8 @@ from llama_index_crag.calibration.reader_model import (
     base_fingerprint,
     file_sha256,
 )
-from llama_index_crag.scorers.base import sigmoid
-from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer, align_weights, fit_logistic
+from llama_index_crag.scorers.base import fit_logistic, sigmoid
+from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer, align_weights
 
 READER_FEATURES = FEATURES + ("reader",)
 #: Words per window a passage is read in; a candidate scores as the best of its windows.
