@@ -8,6 +8,8 @@ import argparse
 import math
 from typing import Callable
 
+from llama_index_crag.core.settings import MAX_TIMEOUT_S
+
 #: uvicorn's log levels.
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -46,6 +48,6 @@ def port(text: str) -> int:
 def seconds(text: str) -> float:
     """A time in seconds, more than 0 and at most a day."""
     value = float(_number(text, float))
-    if not (math.isfinite(value) and 0 < value <= 86400):
-        raise argparse.ArgumentTypeError(f"{text} is not a time in seconds (more than 0, at most 86400)")
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(f"{text} is not a time in seconds (more than 0, at most {MAX_TIMEOUT_S:g})")
     return value

@@ -84,7 +84,7 @@ def add_parsers(commands: Any) -> None:
     )
     train.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch threads (default: OMP_NUM_THREADS, else the cores this process may use)",
     )
