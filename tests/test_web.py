@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
 import time
+import tracemalloc
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
@@ -151,6 +154,36 @@ def _huge(server: RecordingServer) -> Handler:
     return route
 
 
+def _encoded(encoding: str, body: bytes) -> Handler:
+    def route(h: BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "text/html; charset=utf-8")
+        h.send_header("Content-Encoding", encoding)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    return route
+
+
+def _deflated(body: bytes, wbits: int) -> bytes:
+    packer = zlib.compressobj(9, zlib.DEFLATED, wbits)
+    return packer.compress(body) + packer.flush()
+
+
+@functools.lru_cache(maxsize=1)
+def _gzip_bomb(megabytes: int = 200) -> bytes:
+    """About 200 KB that inflate to 200 MB of spaces, packed a megabyte at a time."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    parts = [packer.compress(b"<html><body><p>")]
+    parts += [packer.compress(b" " * 2**20) for _ in range(megabytes)]
+    return b"".join(parts) + packer.flush()
+
+
+def _bomb(h: BaseHTTPRequestHandler) -> None:
+    _encoded("gzip", _gzip_bomb())(h)
+
+
 def _redirect(to: Callable[[], str]) -> Handler:
     def route(h: BaseHTTPRequestHandler) -> None:
         h.send_response(302)
@@ -179,6 +212,12 @@ def pages() -> Iterator[RecordingServer]:
                 "/garbage": _send(200, "text/html", garbage),
                 "/wrong-charset": _send(200, "text/html; charset=utf-8", LATIN1),
                 "/utf16": _send(200, "text/html; charset=utf-16", LATIN1.decode("latin-1").encode("utf-16")),
+                "/gzip": _encoded("gzip", _deflated(HARBOR, 16 + zlib.MAX_WBITS)),
+                "/deflate": _encoded("deflate", _deflated(HARBOR, zlib.MAX_WBITS)),
+                "/raw-deflate": _encoded("deflate", _deflated(HARBOR, -zlib.MAX_WBITS)),
+                "/bomb": _bomb,
+                "/brotli": _encoded("br", b"\x1b\x03\x00\xf8\x25\x82\x82"),
+                "/broken-gzip": _encoded("gzip", b"\x1f\x8b\x08\x00" + b"not gzip at all" * 20),
                 "/redirect-off-list": _redirect(lambda: f"http://localhost:{server.port}/offlist"),
                 "/redirect-ok": _redirect(lambda: "/harbor"),
             }
@@ -531,6 +570,44 @@ def test_a_huge_page_is_not_read_to_the_end(searxng: Any, pages: RecordingServer
     time.sleep(0.5)
     assert "stopped reading" in report["refused"][0]["reason"]
     assert pages.huge_bytes_sent < HUGE_BYTES / 2, "the client must stop reading, not download it all"
+
+
+@pytest.mark.parametrize("path", ["/gzip", "/deflate", "/raw-deflate"])
+def test_a_compressed_page_is_read(searxng: Any, pages: RecordingServer, path: str) -> None:
+    state, searx = searxng
+    state.urls = urls(pages, path)
+    strips, report = search_web(searx)
+    assert report["urls_used"] == [f"{pages.url}{path}"], report["refused"]
+    assert any(ANSWER_SENTENCE in s.node.get_content() for s in strips)
+    assert "gzip" in pages.requests[-1][3].get("Accept-Encoding", "")
+
+
+@pytest.mark.parametrize(
+    ("path", "reason"), [("/brotli", "compressed as 'br', which is not read"), ("/broken-gzip", "not valid gzip")]
+)
+def test_a_page_in_an_unread_or_broken_encoding_is_refused(
+    searxng: Any, pages: RecordingServer, path: str, reason: str
+) -> None:
+    state, searx = searxng
+    state.urls = urls(pages, path, "/harbor")
+    _, report = search_web(searx)
+    [refused] = report["refused"]
+    assert refused["url"] == f"{pages.url}{path}" and reason in refused["reason"]
+    assert report["urls_used"] == [f"{pages.url}/harbor"]
+
+
+def test_a_gzip_bomb_is_refused_without_inflating_it_in_memory(searxng: Any, pages: RecordingServer) -> None:
+    state, searx = searxng
+    state.urls = urls(pages, "/bomb")
+    tracemalloc.start()
+    try:
+        _, report = search_web(searx, max_page_bytes=500_000)  # more than the 200 KB sent: it is read
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert "page limit (stopped reading)" in report["refused"][0]["reason"]
+    # httpx inflates each network chunk whole: 64 KB of this page is 64 MB of text
+    assert peak < 16 * 1024 * 1024, f"{peak / 2**20:.0f} MiB held while refusing a 200 KB gzip bomb"
 
 
 def test_a_page_with_the_wrong_declared_charset_is_decoded_by_detection(searxng: Any, pages: RecordingServer) -> None:

@@ -7,6 +7,7 @@ import re
 import socket
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
@@ -152,7 +153,11 @@ def fetch_pages(
     """
     budget = _ByteBudget(settings.max_total_bytes)
     requested: List[str] = []
-    headers = {"User-Agent": settings.user_agent, "Accept": "text/html, application/xhtml+xml, text/plain;q=0.8"}
+    headers = {
+        "User-Agent": settings.user_agent,
+        "Accept": "text/html, application/xhtml+xml, text/plain;q=0.8",
+        "Accept-Encoding": "gzip, deflate",  # the encodings _Inflater reads
+    }
     client = httpx.Client(headers=headers, follow_redirects=False)
     pool = ThreadPoolExecutor(max_workers=min(settings.concurrency, max(1, len(urls))), thread_name_prefix="crag-web")
     futures = {pool.submit(_fetch, client, url, settings, policy, deadline, budget, requested): url for url in urls}
@@ -202,8 +207,13 @@ def _fetch(
                     return Refusal(
                         url, f"declares {int(declared):,} bytes, over the {settings.max_page_bytes:,}-byte page limit"
                     )
+                encoding = response.headers.get("content-encoding", "")
+                inflater = _Inflater.for_encoding(encoding)
+                if inflater is None:
+                    return Refusal(url, f"compressed as {encoding!r}, which is not read")
                 body = bytearray()
-                for chunk in response.iter_bytes():
+                for raw in response.iter_raw():
+                    chunk = inflater.inflate(raw, settings.max_page_bytes - len(body) + 1)
                     body += chunk
                     if len(body) > settings.max_page_bytes:
                         return Refusal(url, f"over the {settings.max_page_bytes:,}-byte page limit (stopped reading)")
@@ -211,12 +221,55 @@ def _fetch(
                         return Refusal(url, f"over the {settings.max_total_bytes:,}-byte total limit (stopped reading)")
                     if time.monotonic() > deadline:
                         return Refusal(url, "the web time budget ran out while reading it")
+                body += inflater.flush()
+        except zlib.error as exc:
+            return Refusal(url, f"not valid {encoding} content: {exc}")
         except httpx.TimeoutException:
             return Refusal(url, f"no answer within {timeout:.3g} s")
         except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL: a redirect's bad Location, not an HTTPError
             return Refusal(url, f"{type(exc).__name__}: {exc}")
         return _page(url, bytes(body), content_type, mime)
     return Refusal(url, f"more than {MAX_REDIRECTS} redirects")
+
+
+class _Inflater:
+    """A page's Content-Encoding undone a network chunk at a time, never to more than the room left.
+
+    httpx decodes each chunk whole before handing it over, so a gzip bomb (a few
+    kilobytes that inflate to gigabytes) would take hundreds of megabytes before the
+    page limit could refuse it; ``inflate`` stops at ``room`` bytes instead.
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._zlib = None if kind == "identity" else zlib.decompressobj(16 + zlib.MAX_WBITS if kind == "gzip" else 15)
+        self._first = True
+
+    @classmethod
+    def for_encoding(cls, header: str) -> Optional[_Inflater]:
+        """The inflater for a Content-Encoding header, or None for an encoding (or a chain) that is not read."""
+        codings = [c.strip().lower() for c in header.split(",") if c.strip() and c.strip().lower() != "identity"]
+        if not codings:
+            return cls("identity")
+        if len(codings) == 1 and codings[0] in ("gzip", "x-gzip", "deflate"):
+            return cls("deflate" if codings[0] == "deflate" else "gzip")
+        return None
+
+    def inflate(self, data: bytes, room: int) -> bytes:
+        """At most ``room`` bytes of ``data`` decoded; what does not fit is dropped, as the page is then refused."""
+        if self._zlib is None:
+            return data
+        first, self._first = self._first, False
+        try:
+            return self._zlib.decompress(data, max(1, room))
+        except zlib.error:
+            if not (first and self.kind == "deflate"):
+                raise
+            self._zlib = zlib.decompressobj(-zlib.MAX_WBITS)  # "deflate" is often sent without its zlib header
+            return self._zlib.decompress(data, max(1, room))
+
+    def flush(self) -> bytes:
+        return b"" if self._zlib is None else self._zlib.flush()
 
 
 def _page(url: str, body: bytes, content_type: str, mime: str) -> Union[Page, Refusal]:
