@@ -42,7 +42,7 @@ def test_the_packaged_grader_loads_offline(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     scorer = ReaderScorer(PACKAGED)
-    assert scorer.name.startswith("reader:grader@") and scorer.default_thresholds is not None
+    assert scorer.name.startswith("reader:grader#") and scorer.default_thresholds is not None
     assert scorer.weights[list(scorer.feature_names).index("reader")] > 0.0
 
 
@@ -147,7 +147,7 @@ def test_crag_grader_chooses_the_grader(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("CRAG_GRADER", "evidence")
     assert type(default_scorer()) is EvidenceScorer
     monkeypatch.setenv("CRAG_GRADER", "packaged")
-    assert default_scorer().name.startswith("reader:grader@")
+    assert default_scorer().name.startswith("reader:grader#")
 
 
 @pytest.mark.parametrize(
@@ -177,3 +177,28 @@ def test_the_packaged_grader_explains_its_stacked_score(packaged: ReaderScorer) 
     logit = sum(explained["contributions"].values()) + explained["bias"]
     assert explained["score"] == pytest.approx(1.0 / (1.0 + math.exp(-logit)), abs=1e-3)
     assert explained["turned_round"] == "the question is negated and its passage states it"
+
+
+def test_a_calibration_is_refused_for_another_grader_in_a_folder_of_the_same_name(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from llama_index_crag.core.settings_sources import read_calibration
+    from llama_index_crag.errors import ConfigError
+
+    mine, theirs = tmp_path / "mine" / "grader", tmp_path / "theirs" / "grader"
+    shutil.copytree(PACKAGED, mine)
+    shutil.copytree(PACKAGED, theirs)
+    tensors = load_file(theirs / WEIGHTS_FILE)
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first] * 1.01  # retrained: the same shapes, other values
+    save_file(tensors, theirs / WEIGHTS_FILE)
+    info = json.loads((theirs / GRADER_FILE).read_text())
+    info.pop("weights_sha256")  # as train-grader writes it, before pack-grader
+    (theirs / GRADER_FILE).write_text(json.dumps(info))
+    fitted_for, served_with = ReaderScorer(mine).name, ReaderScorer(theirs).name
+    assert fitted_for != served_with and fitted_for.startswith("reader:grader#")
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"version": 1, "scorer": fitted_for, "thresholds": {"upper": 0.9, "lower": 0.4}}))
+    assert read_calibration(calibration, ReaderScorer(tmp_path / "mine" / "grader").name)["scorer"] == fitted_for
+    with pytest.raises(ConfigError, match="calibrate again for this scorer"):
+        read_calibration(calibration, served_with)

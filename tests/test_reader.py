@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ from llama_index_crag.calibration.pairs import (
     PairSet,
     make_pairs,
 )
-from llama_index_crag.calibration.reader_model import LORA_TARGETS
+from llama_index_crag.calibration.reader_model import LORA_TARGETS, WEIGHTS_FILE
 from llama_index_crag.calibration.reader_model import Reader as ReaderModel
 from llama_index_crag.calibration.training import TrainingConfig, train_grader
 from llama_index_crag.datasets import SAMPLE_DIR
@@ -104,6 +104,13 @@ def test_a_corpus_with_nothing_to_ask_is_refused(tmp_path: Path) -> None:
         make_pairs(tmp_path, count=100, progress=False)
 
 
+def test_pairs_of_one_label_are_refused_before_anything_is_written(pairs: PairSet, tmp_path: Path) -> None:
+    positives = [p for p in pairs.train if p.label]
+    with pytest.raises(ValueError, match="both positive and negative"):
+        train_grader(PairSet(train=positives, held_out=pairs.held_out), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_windows_cover_a_long_passage_with_overlap() -> None:
     text = " ".join(f"w{i}" for i in range(200))
     parts = windows(text, words=80, stride=60)
@@ -145,6 +152,12 @@ def test_training_resumes_from_its_checkpoint(pairs: PairSet, grader: Path, tmp_
     config = TrainingConfig(max_length=64, minutes=20, eval_every=20, eval_pairs=200, epochs=60 * 16 / len(pairs.train))
     resumed = train_grader(pairs, again, config=config, progress=False, log=lambda _: None)
     assert resumed["steps"] >= info["steps"] and resumed["history"][: len(info["history"])] == info["history"]
+    # The saved weights deleted: the resumed run writes the checkpoint's, and says so.
+    (again / WEIGHTS_FILE).unlink()
+    said: List[str] = []
+    train_grader(pairs, again, config=config, progress=False, log=said.append)
+    assert (again / WEIGHTS_FILE).exists() and any("was missing" in line for line in said), said
+    load_reader(again)
     with pytest.raises(ValueError, match="other settings"):
         train_grader(pairs, again, config=TrainingConfig(max_length=96, minutes=0.1), progress=False)
 
@@ -308,10 +321,10 @@ def test_eval_grades_with_the_reader_named_in_crag_grader(grader: Path, monkeypa
     from llama_index_crag.scorers.registry import from_spec
 
     monkeypatch.delenv("CRAG_GRADER", raising=False)
-    assert from_spec("reader").name.startswith("reader:grader@"), "no CRAG_GRADER: the packaged reader"
+    assert from_spec("reader").name.startswith("reader:grader#"), "no CRAG_GRADER: the packaged reader"
     monkeypatch.setenv("CRAG_GRADER", str(grader))
     scorer = from_spec("reader", corpus=COOPERATIVE)
-    assert scorer.name.startswith(f"reader:{grader.name}@")
+    assert scorer.name.startswith(f"reader:{grader.name}#")
     scores = scorer.score_texts("Who chairs the cooperative?", COOPERATIVE)
     assert all(0.0 <= s <= 1.0 for s in scores) and len(scores) == len(COOPERATIVE)
 

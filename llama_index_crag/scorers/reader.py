@@ -152,7 +152,10 @@ class ReaderScorer(EvidenceScorer):
             corpus=corpus,
         )
         self.reader, self._encoder, self.info = load_reader(grader, quantize=quantize)
-        self.name = f"reader:{Path(grader).name}@{self.info['base_fingerprint'][:8]}+" + self.name
+        # The folder's name reads well; the weights' digest tells two graders in folders of one name apart,
+        # so that a calibration fitted for one is never taken for the other.
+        weights = file_sha256(Path(grader) / WEIGHTS_FILE)[:8]
+        self.name = f"reader:{Path(grader).name}#{weights}@{self.info['base_fingerprint'][:8]}+" + self.name
         self.evidence_weights = np.asarray(self.DEFAULT_WEIGHTS, dtype=np.float64)
         self.settle_below = 0.0
         self.settle_above = 1.01
