@@ -155,6 +155,10 @@ def train_grader(
     config = config or TrainingConfig()
     base = Path(base or bundled_embedding_path())
     out = Path(out)
+    positives = sum(p.label for p in pairs.train)
+    negatives = len(pairs.train) - positives
+    if not positives or not negatives:  # before anything is written: no empty grader folder is left behind
+        raise DatasetError("training the reader needs both positive and negative pairs")
     out.mkdir(parents=True, exist_ok=True)
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -166,10 +170,6 @@ def train_grader(
     names = reader.trainable(config.train_layers)
     params = [p for p in reader.model.parameters() if p.requires_grad]
     encoder_params = [p for p in reader.encoder.parameters() if p.requires_grad]
-    positives = sum(p.label for p in pairs.train)
-    negatives = len(pairs.train) - positives
-    if not positives or not negatives:
-        raise DatasetError("training the reader needs both positive and negative pairs")
     loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor(negatives / positives, device=config.device))
     steps_per_epoch = math.ceil(len(pairs.train) / config.batch_size)
     total_steps = max(1, int(steps_per_epoch * config.epochs))
@@ -209,6 +209,10 @@ def train_grader(
         scheduler.load_state_dict(saved["scheduler"])
         step, best, history, trained_s = saved["step"], saved["best"], saved["history"], saved["trained_s"]
         log(f"resumed from step {step} of {total_steps} (best held-out AUROC so far {best:.3f})")
+        if step and not (out / WEIGHTS_FILE).exists():  # the best weights were deleted: the checkpoint's stand in
+            best = evaluate()
+            reader.save(out, names)
+            log(f"{out / WEIGHTS_FILE} was missing: the checkpoint's weights replace it (held-out AUROC {best:.3f})")
     evaluated = time.monotonic()
     if step == 0:
         best = evaluate()
