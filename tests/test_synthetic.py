@@ -74,11 +74,24 @@ def test_calibrate_on_the_corpus_alone_writes_a_file_the_engine_loads(tmp_path: 
     assert_engine_loads_calibration(out)
     # Every real question of the set is held out from a synthetic calibration: the report scores them all.
     report_dir = tmp_path / "report"
-    args = ["grade-report", "--dataset", str(SAMPLE_DIR), "--scorers", "evidence", "--calibration", str(out)]
+    args = ["grade-report", "--dataset", str(SAMPLE_DIR), "--scorers", "evidence,bi-encoder", "--calibration", str(out)]
     assert main([*args, "--out", str(report_dir), "--no-progress"]) == 0
     report = json.loads((report_dir / "grade-report.json").read_text())
-    assert report["protocol"] == "calibration file, held-out rows"
-    assert report["results"][0]["rows"]["out-of-corpus"]["batches"] > 40
+    # The bi-encoder's row is cross-validated: the file was fitted for the evidence scorer alone.
+    protocols = {r["scorer"]: r["protocol"] for r in report["results"]}
+    assert protocols.pop(data["scorer"]) == "calibration file, held-out rows"
+    assert set(protocols.values()) == {"5-fold cross-validation"}
+    assert report["protocol"].endswith("; 5-fold cross-validation for the others")
+    calibrated = next(r for r in report["results"] if r["scorer"] == data["scorer"])
+    assert calibrated["rows"]["out-of-corpus"]["batches"] > 40
+    other = tmp_path / "other.json"  # fitted for a scorer that is not measured: said, not passed off as used
+    other.write_text(json.dumps({**data, "scorer": "cross-encoder:someone-else"}))
+    args = ["grade-report", "--dataset", str(SAMPLE_DIR), "--scorers", "evidence", "--calibration", str(other)]
+    assert main([*args, "--out", str(report_dir), "--no-progress", "--folds", "2"]) == 0
+    report = json.loads((report_dir / "grade-report.json").read_text())
+    assert {r["protocol"] for r in report["results"]} == {"2-fold cross-validation"}
+    unused = "the calibration file was fitted for 'cross-encoder:someone-else', which no row is"
+    assert report["protocol"] == f"2-fold cross-validation ({unused})"
 
 
 def test_a_corpus_that_names_nothing_gives_a_clear_error(tmp_path: Path, nlp: Any) -> None:

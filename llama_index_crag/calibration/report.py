@@ -22,6 +22,7 @@ from llama_index_crag.calibration.fit import (
 )
 from llama_index_crag.calibration.labelled import group_folds
 from llama_index_crag.calibration.report_figures import KINDS, Outcome, against_default, figures, plot, table
+from llama_index_crag.core.settings_sources import read_calibration
 from llama_index_crag.errors import ConfigError, DatasetError
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.evidence import EvidenceScorer
@@ -224,7 +225,7 @@ def run_report(
     labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress)
     batches, corpus = labelled.batches, labelled.corpus
     strips = labelled_strips(dataset, batches, min_tokens)
-    calibration_data = json.loads(calibration.read_text(encoding="utf-8")) if calibration else None
+    calibration_data = read_calibration(calibration, None) if calibration else None
     outcomes: List[Outcome] = []
     results: List[Dict[str, Any]] = []
     for name, scorer in report_scorers(scorers, corpus):
@@ -233,8 +234,9 @@ def run_report(
         if name == "llm-judge":
             keep = {b.question.qid for b in batches[:judge_limit]}
             subset = [b for b in batches if b.question.qid in keep]
+        calibrated = calibration_data is not None and calibration_data.get("scorer") == scorer.name
         try:
-            if calibration_data is not None and calibration_data.get("scorer") == scorer.name:
+            if calibrated:
                 outcome = with_calibration(scorer, subset, calibration_data, progress, strips)
             else:
                 outcome = cross_validate(scorer, subset, folds=folds, targets=targets, progress=progress, strips=strips)
@@ -248,6 +250,7 @@ def run_report(
         result = figures(outcome)
         result["strips"] = outcome.strips
         result["default"] = name == "default"
+        result["protocol"] = "calibration file, held-out rows" if calibrated else f"{folds}-fold cross-validation"
         outcomes.append(outcome)
         results.append(result)
     against_default(results)
@@ -255,7 +258,7 @@ def run_report(
     report = {
         "dataset": str(dataset),
         "k": k,
-        "protocol": "calibration file, held-out rows" if calibration_data else f"{folds}-fold cross-validation",
+        "protocol": _protocol(results, calibration_data, folds),
         "targets": dict(targets),
         "results": results,
     }
@@ -263,6 +266,19 @@ def run_report(
     (out / "grade-report.md").write_text(table(results) + "\n", encoding="utf-8")
     plot(outcomes, out / "grade-report.png")
     return report
+
+
+def _protocol(results: Sequence[Mapping[str, Any]], calibration: Optional[Mapping[str, Any]], folds: int) -> str:
+    """How the rows were measured, said whole: a calibration file fitted for no row's scorer is named as unused."""
+    crossed = f"{folds}-fold cross-validation"
+    used = [r["scorer"] for r in results if r["protocol"] != crossed]
+    if calibration is None:
+        return crossed
+    if not used:
+        return f"{crossed} (the calibration file was fitted for {calibration.get('scorer')!r}, which no row is)"
+    if len(used) == len(results):
+        return "calibration file, held-out rows"
+    return f"calibration file, held-out rows, for {', '.join(used)}; {crossed} for the others"
 
 
 def run_calibration(
