@@ -475,6 +475,21 @@ def test_the_password_is_hidden_in_every_form_of_the_connection_string(url: str,
     assert redacted(url) == shown
 
 
+@pytest.mark.parametrize(
+    "url", ["postgresql://x@db/y", "postgres://x@db/y", "POSTGRESQL+psycopg2://x@db/y", "host=db dbname=y"]
+)
+def test_a_postgresql_connection_string_is_taken_in_each_form(url: str) -> None:
+    assert PostgresStore(url).url in ("postgresql://x@db/y", "host=db dbname=y")
+
+
+@pytest.mark.parametrize("url", ["mysql://crag:s3cret@db/rag", "sqlite:///rag.db", "redis://db:6379"])
+def test_a_connection_string_for_another_database_is_refused_by_name(url: str) -> None:
+    # It used to reach the server check and be reported as a PostgreSQL "with no pgvector".
+    with pytest.raises(StoreError, match="URL: the store needs PostgreSQL") as refused:
+        PostgresStore(url)
+    assert "s3cret" not in str(refused.value)
+
+
 def test_an_unreachable_store_is_a_clear_error_and_the_store_recovers_when_it_is_back(tmp_path: Path) -> None:
     import httpx
 

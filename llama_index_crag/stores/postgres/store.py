@@ -101,7 +101,13 @@ class PostgresStore:
         for name in (table, schema, text_search_config):
             if not _NAME.match(name):
                 raise StoreError(f"{name!r} is not a plain lower-case SQL name: use letters, digits and _")
-        self.url = re.sub(r"^postgres(ql)?(\+\w+)?://", "postgresql://", url)
+        scheme = re.match(r"^([A-Za-z][\w+.-]*)://", url)
+        if scheme and not re.fullmatch(r"postgres(ql)?(\+\w+)?", scheme.group(1), re.IGNORECASE):
+            raise StoreError(
+                f"{redacted(url)} is a {scheme.group(1)} URL: the store needs PostgreSQL "
+                "(postgresql://user:password@host:port/database)"
+            )
+        self.url = re.sub(r"^postgres(ql)?(\+\w+)?://", "postgresql://", url, flags=re.IGNORECASE)
         self.table, self.schema, self.embed_dim = table, schema, embed_dim
         self.text_search_config = text_search_config
         self.hnsw_m, self.hnsw_ef_construction, self.ef_search = hnsw_m, hnsw_ef_construction, ef_search
