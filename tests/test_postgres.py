@@ -416,7 +416,7 @@ def test_ingest_refuses_a_folder_without_documents(pg_url: str, tmp_path: Path) 
     from llama_index_crag.stores.folder import IndexFolderError
 
     (tmp_path / "empty").mkdir()
-    with pytest.raises(IndexFolderError):
+    with pytest.raises(IndexFolderError, match="the store empty keeps what it holds: to empty it, drop its tables"):
         ingest(tmp_path / "empty", PostgresStore(pg_url, table="empty"))
     shutil.rmtree(tmp_path / "empty")
 

@@ -109,6 +109,12 @@ def test_reingest_embeds_only_what_changed(tmp_path: Path) -> None:
     assert "alert" not in texts["d.html"] and "dug in 1871" in texts["d.html"]
     assert {n.ref_doc_id: n.node_id for n in again.nodes}["a.txt"] == chunk_of["a.txt"]  # untouched, not re-chunked
     assert json.loads((out / "manifest.json").read_text())["last_ingest"]["unchanged"] == 1
+    # Every document deleted: refused (an unmounted folder must not empty the index), saying what the index keeps.
+    for path in docs.iterdir():
+        path.unlink()
+    with pytest.raises(IndexFolderError, match="keeps the 3 documents of its last ingest: to empty it, delete"):
+        ingest(docs, out, warm_fallback=False)
+    assert {n.ref_doc_id for n in load_index(out).nodes} == {"a.txt", "b.md", "d.html"}
 
 
 def test_ingest_takes_documents_with_nul_surrogates_odd_names_and_a_huge_word(tmp_path: Path) -> None:

@@ -192,8 +192,15 @@ def ingest(
         read_calibration(calibration, None)
     documents, skipped = read_documents(source, exclude=index_dir)
     if not documents:
+        held = len(_manifest(index_dir).get("documents", {})) if (index_dir / MANIFEST).exists() else 0
         raise IndexFolderError(
-            f"{source} holds no document with text to index" + (f" (skipped: {skipped})" if skipped else "")
+            f"{source} holds no document with text to index"
+            + (f" (skipped: {skipped})" if skipped else "")
+            + (
+                f"; the index {index_dir} keeps the {held} documents of its last ingest: to empty it, delete it"
+                if held
+                else ""
+            )
         )
     index_dir.mkdir(parents=True, exist_ok=True)
     embedder = _embedder(index_dir, embed_model)

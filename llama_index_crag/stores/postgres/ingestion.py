@@ -47,8 +47,11 @@ def ingest(
 
     started = time.monotonic()
     documents, skipped = read_documents(Path(source))
-    if not documents:
-        raise IndexFolderError(f"{source} holds no document with text to index")
+    if not documents:  # never read as "delete everything": an unmounted or mistyped folder would empty the store
+        raise IndexFolderError(
+            f"{source} holds no document with text to index; the store {store.table} keeps what it holds: "
+            f"to empty it, drop its tables ({store.name('chunks')} and {store.table}_*)"
+        )
     embed_model = embed_model or default_embed_model()
     store.create_schema()
     old_meta = store.meta()
