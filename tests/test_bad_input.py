@@ -132,6 +132,9 @@ def test_numbers_as_a_passages_title_and_id_name_its_source(embed_model: Any) ->
     node = TextNode(text=ALPHA.text, metadata={"title": 2024, "doc_id": 42})
     engine = CorrectiveQueryEngine.from_defaults(nodes=[node], embed_model=embed_model)
     assert '3.2 million euros." (2024, 42)' in str(engine.query("What is the alpha project budget for 2024?"))
+    listed = TextNode(text=ALPHA.text, metadata={"title": ["Budget", None, "2024"], "doc_id": ("a", 7)})
+    engine = CorrectiveQueryEngine.from_defaults(nodes=[listed], embed_model=embed_model)
+    assert '3.2 million euros." (Budget, 2024, a, 7)' in str(engine.query("What is the alpha project budget for 2024?"))
 
 
 class DiesMidStream(ScriptedLLM):
