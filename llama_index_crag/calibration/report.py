@@ -236,7 +236,7 @@ def run_report(
             subset = [b for b in batches if b.question.qid in keep]
         calibrated = calibration_data is not None and calibration_data.get("scorer") == scorer.name
         try:
-            if calibrated:
+            if calibrated and calibration_data is not None:
                 outcome = with_calibration(scorer, subset, calibration_data, progress, strips)
             else:
                 outcome = cross_validate(scorer, subset, folds=folds, targets=targets, progress=progress, strips=strips)
