@@ -353,6 +353,13 @@ def test_api_key_guards_every_route_but_healthz(loaded: Any) -> None:
         assert httpx.get(live.url + "/metrics").status_code == 401
         assert httpx.get(live.url + "/recent", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(live.url + "/healthz").status_code == 200
+        # A bad body without the key is 401 too, not a 422 that says what the body lacks.
+        for body in (b'{"query": ', b'{"nothing": 1}', b"\xff\xfe{}", b"[" * 5_000):
+            for path in ("/query", "/v1/chat/completions"):
+                refused = httpx.post(live.url + path, content=body, headers={"Content-Type": "application/json"})
+                assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized", refused.text
+        keyed = {"Content-Type": "application/json", "X-API-Key": "s3cret"}
+        assert httpx.post(live.url + "/query", content=b'{"query": ', headers=keyed).status_code == 422
         ok = httpx.post(
             live.url + "/query", json={"query": ANSWERED}, headers={"Authorization": "Bearer s3cret"}, timeout=60
         )

@@ -26,6 +26,7 @@ except ImportError as exc:  # the optional [server] extra
     raise MissingDependency(f"the query server needs FastAPI: {INSTALL}") from exc
 
 from llama_index_crag.core.engine import CorrectiveQueryEngine
+from llama_index_crag.server.auth import unauthorized
 from llama_index_crag.server.errors import add_error_handlers
 from llama_index_crag.server.metrics import ServerMetrics, install_engine_metrics
 from llama_index_crag.server.middleware import BodyLimit, RequestMetrics
@@ -53,7 +54,7 @@ def create_app(
     metrics = ServerMetrics(config.rate_window_s)
     app = FastAPI(title="llama-index-crag", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = QueryService(engine, config, metrics, generator, index_info)
-    add_error_handlers(app)
+    add_error_handlers(app, unauthorized)
     for router in (query.router, openai.router, admin.public, admin.guarded):
         app.include_router(router)
     app.mount("/static", admin.ConsoleFiles(directory=admin.STATIC), name="static")

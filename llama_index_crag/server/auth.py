@@ -20,14 +20,33 @@ def require_api_key(
     header: Annotated[Optional[str], Depends(_header)],
 ) -> None:
     """Pass when the server has no key, or the request carries it; else 401 (compared in constant time)."""
+    refused = _refusal(request, bearer.credentials if bearer is not None else header or "")
+    if refused is not None:
+        raise refused
+
+
+def unauthorized(request: Request) -> Optional[ApiError]:
+    """The 401 for a request to a guarded route that lacks the key, read from its headers alone.
+
+    FastAPI reads and validates a request's body before it runs the route's dependencies, so a
+    malformed body would be answered 422, with what is wrong with it, before the key is asked
+    for; the error handlers ask this first.
+    """
+    route = request.scope.get("route")
+    if not any(getattr(d, "dependency", None) is require_api_key for d in getattr(route, "dependencies", ())):
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = token.strip() if scheme.lower() == "bearer" and token.strip() else request.headers.get("x-api-key", "")
+    return _refusal(request, given)
+
+
+def _refusal(request: Request, given: str) -> Optional[ApiError]:
     key: Optional[str] = request.app.state.service.config.api_key
-    if not key:
-        return
-    given = bearer.credentials if bearer is not None else header or ""
-    if not hmac.compare_digest(given.encode(), key.encode()):
-        raise ApiError(
-            401,
-            "unauthorized",
-            "this server needs an API key: Authorization: Bearer KEY or X-API-Key",
-            "authentication_error",
-        )
+    if not key or hmac.compare_digest(given.encode(), key.encode()):
+        return None
+    return ApiError(
+        401,
+        "unauthorized",
+        "this server needs an API key: Authorization: Bearer KEY or X-API-Key",
+        "authentication_error",
+    )

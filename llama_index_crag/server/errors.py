@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,8 +36,12 @@ class ApiError(Exception):
 UNPARSABLE_BODY = "There was an error parsing the body"
 
 
-def add_error_handlers(app: FastAPI) -> None:
-    """Answer every error as JSON in OpenAI's shape: ours, FastAPI's validation, Starlette's 404 / 405, crashes."""
+def add_error_handlers(app: FastAPI, unauthorized: Callable[[Request], Optional[ApiError]]) -> None:
+    """Answer every error as JSON in OpenAI's shape: ours, FastAPI's validation, Starlette's 404 / 405, crashes.
+
+    ``unauthorized`` gives the 401 for a request that lacks the API key on a guarded route (``auth.unauthorized``):
+    FastAPI reads and validates a body before the route's key dependency runs, so the body's errors ask it first.
+    """
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -45,6 +49,9 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        refused = unauthorized(request)  # a request without the key learns nothing of what its body lacks
+        if refused is not None:
+            return refused.response()
         problems = []
         for error in exc.errors():
             if error.get("type") == "json_invalid":  # its loc is ("body", offset), which reads as a field
@@ -60,6 +67,9 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == UNPARSABLE_BODY:  # not UTF-8, nested too deep, another charset
+            refused = unauthorized(request)
+            if refused is not None:
+                return refused.response()
             return ApiError(422, "invalid_request", "body: not readable as JSON (send UTF-8 JSON)").response()
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return ApiError(exc.status_code, code, str(exc.detail)).response()
