@@ -93,11 +93,13 @@ class RecordingServer:
         self._httpd.server_close()
 
 
-def _send(status: int, content_type: Optional[str], body: bytes) -> Handler:
+def _send(status: int, content_type: Optional[str], body: bytes, headers: Optional[Dict[str, str]] = None) -> Handler:
     def route(h: BaseHTTPRequestHandler) -> None:
         h.send_response(status)
         if content_type:
             h.send_header("Content-Type", content_type)
+        for name, value in (headers or {}).items():
+            h.send_header(name, value)
         h.send_header("Content-Length", str(len(body)))
         h.end_headers()
         h.wfile.write(body)
@@ -155,15 +157,7 @@ def _huge(server: RecordingServer) -> Handler:
 
 
 def _encoded(encoding: str, body: bytes) -> Handler:
-    def route(h: BaseHTTPRequestHandler) -> None:
-        h.send_response(200)
-        h.send_header("Content-Type", "text/html; charset=utf-8")
-        h.send_header("Content-Encoding", encoding)
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
-        h.wfile.write(body)
-
-    return route
+    return _send(200, "text/html; charset=utf-8", body, {"Content-Encoding": encoding})
 
 
 def _deflated(body: bytes, wbits: int) -> bytes:
