@@ -11,7 +11,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llama_index_crag import FallbackRetriever
+from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever
 from llama_index_crag.deadline import step_deadline
 from llama_index_crag.scorers import UpstreamScoreScorer
 
@@ -187,6 +187,37 @@ def test_fallback_that_raises_abstains() -> None:
     )
     response = engine.query("How much money does project A get?")
     _assert_abstained(response, "the fallback retrieval failed: RuntimeError: index offline", llm)
+
+
+class ClientTimesOut(BaseRetriever):
+    """A store whose client raises its own TimeoutError at once: an outage, not the correction budget."""
+
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        raise TimeoutError("vector store read timed out after 2 s")
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        raise TimeoutError("vector store read timed out after 2 s")
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+async def test_a_timeout_error_of_the_fallback_itself_is_its_failure_not_the_budget(is_async: bool) -> None:
+    # Since Python 3.11 asyncio.TimeoutError is TimeoutError: the async driver took the store's own error for
+    # wait_for's, and said the 30 s budget had run out, with the store's message lost.
+    llm = ScriptedLLM()
+    engine = make_engine(MarkerScorer({}), llm, fallback=FallbackRetriever({"remote": ClientTimesOut()}))
+    question = "How much money does project A get?"
+    response = await engine.aquery(question) if is_async else engine.query(question)
+    said = "the fallback retrieval failed: TimeoutError: vector store read timed out after 2 s"
+    _assert_abstained(response, said, llm)
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+async def test_a_timeout_error_of_the_primary_retriever_reaches_the_caller_as_it_was(is_async: bool) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(
+        retriever=ClientTimesOut(), llm=ScriptedLLM(), scorer=MarkerScorer({}), upper=0.7, lower=0.3
+    )
+    with pytest.raises(TimeoutError, match="vector store read timed out after 2 s"):
+        await engine.aquery("How much money does project A get?") if is_async else engine.query("Project A?")
 
 
 def test_fallback_past_the_time_budget_abstains_without_waiting_for_it() -> None:

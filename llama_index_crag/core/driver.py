@@ -73,12 +73,29 @@ async def adrive(loop: Loop) -> RESPONSE_TYPE:
             limit = None if step.timeout_s is None else max(step.timeout_s, 0.0)
             with running_until(None if limit is None else time.monotonic() + limit):
                 # The task wait_for starts, and any thread it hands work to, inherit the deadline.
-                outcome = (await asyncio.wait_for(step.arun(), limit), None)
-        except asyncio.TimeoutError:
+                outcome = (await asyncio.wait_for(_own_errors(step.arun()), limit), None)
+        except _StepError as failed:  # the step's own TimeoutError (a client's), not the limit running out
+            outcome = (None, failed.error)
+        except asyncio.TimeoutError:  # wait_for's: the step ran past its limit
             outcome = (None, CorrectiveTimeout())
         except Exception as exc:
             outcome = (None, exc)
     return step.response
+
+
+class _StepError(Exception):
+    """A ``TimeoutError`` the step raised itself, carried past ``wait_for``'s own (since 3.11, the same class)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _own_errors(step: Awaitable[Any]) -> Any:
+    try:
+        return await step
+    except asyncio.TimeoutError as exc:
+        raise _StepError(exc) from exc
 
 
 def bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
