@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ from llama_index_crag.cli import main
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.stores.chunking import clean_text
 
-from .conftest import ALPHA, FixedRetriever, ScriptedLLM
+from .conftest import ALPHA, BETA, FixedRetriever, ScriptedLLM
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +138,18 @@ def test_numbers_as_a_passages_title_and_id_name_its_source(embed_model: Any) ->
     listed = TextNode(text=ALPHA.text, metadata={"title": ["Budget", None, "2024"], "doc_id": ("a", 7)})
     engine = CorrectiveQueryEngine.from_defaults(nodes=[listed], embed_model=embed_model)
     assert '3.2 million euros." (Budget, 2024, a, 7)' in str(engine.query("What is the alpha project budget for 2024?"))
+
+
+def test_a_uuid_or_date_as_a_passages_doc_id_keeps_the_trace_json(embed_model: Any) -> None:
+    # A database's primary key: LlamaIndex indexes it as it is; the trace names it as text.
+    key = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    nodes = [
+        TextNode(text=ALPHA.text, metadata={"doc_id": key}),
+        TextNode(text=BETA.text, metadata={"doc_id": datetime.date(2024, 1, 1)}),
+    ]
+    engine = CorrectiveQueryEngine.from_defaults(nodes=nodes, embed_model=embed_model)
+    trace = engine.query("What is the alpha project budget for 2024?").metadata["crag"]
+    assert {n["doc_id"] for n in json.loads(json.dumps(trace))["nodes"]} >= {str(key), "2024-01-01"}
 
 
 class DiesMidStream(ScriptedLLM):

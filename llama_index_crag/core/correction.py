@@ -15,6 +15,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from llama_index_crag.answers.keywords import keyword_query
+from llama_index_crag.answers.sources import shown
 from llama_index_crag.core.driver import Io, bind, left
 from llama_index_crag.core.fallback import SOURCE_KEY, FallbackRetriever
 from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
@@ -211,7 +212,7 @@ def record(trace: CragTrace, nodes: Sequence[NodeWithScore], grading: Grading) -
     trace.nodes.extend(
         NodeGrade(
             node_id=n.node.node_id,
-            doc_id=n.node.metadata.get("doc_id") or n.node.ref_doc_id,
+            doc_id=shown(n.node.metadata.get("doc_id") or n.node.ref_doc_id) or None,  # a UUID or date in JSON
             score=round(score, 4),
             label=label.value,
             source=n.node.metadata.get(SOURCE_KEY, "retriever"),
