@@ -486,6 +486,25 @@ def test_eval_with_extract_never_asks_the_generator_for_crag_and_unchecked_keeps
     assert answered and all("7,700,000" in r["answer"] and r["check_outcome"] is None for r in answered)
 
 
+def test_rows_graded_under_other_crag_settings_in_the_environment_are_not_reused(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = crag_only(dataset, tmp_path / "q", answer_mode="extract")
+    monkeypatch.delenv("CRAG_LOWER", raising=False)
+    monkeypatch.delenv("CRAG_UPPER", raising=False)
+    first = run_evaluation(config, InventingLLM(), count_tokens=words)["rows"]
+    assert any(r["action"] == "correct" for r in first)
+    before = config.fingerprint()
+    # Every batch under 0.99 is INCORRECT now: rows graded at the defaults must not be reported under these.
+    monkeypatch.setenv("CRAG_LOWER", "0.99")
+    monkeypatch.setenv("CRAG_UPPER", "0.995")
+    monkeypatch.setenv("CRAG_API_KEY", "s3cret")
+    assert config.fingerprint() != before and "s3cret" not in json.dumps(config.fingerprint())
+    again = run_evaluation(config, InventingLLM(), count_tokens=words)["rows"]
+    assert {r["action"] for r in again} != {r["action"] for r in first}
+    assert "s3cret" not in (tmp_path / "q" / "run.json").read_text()
+
+
 def test_eval_answers_as_the_engine_would_for_its_generator_and_checks_no_skipped_answer(
     dataset: Path, tmp_path: Path
 ) -> None:

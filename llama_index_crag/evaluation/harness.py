@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,6 +19,7 @@ from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
 from llama_index_crag.answers.policy import default_answer_mode
+from llama_index_crag.calibration.reader_model import WEIGHTS_FILE
 from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.core.settings import ANSWER_MODES, ON_UNGROUNDED
 from llama_index_crag.datasets import content_hash
@@ -70,6 +73,8 @@ class EvalConfig:
     generator_answer_mode: Optional[str] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if not self.systems:
+            raise ConfigError(f"no system to evaluate: choose from {', '.join(SYSTEMS)}")
         unknown = [s for s in self.systems if s not in SYSTEMS]
         if unknown:
             raise ConfigError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
@@ -124,6 +129,7 @@ class EvalConfig:
             "scorer_defaults": spec_defaults(self.scorer),
             "calibration": content_hash(self.calibration) if self.calibration else None,
             "crag_settings": self.crag_settings(),
+            "environment": crag_environment(),
             "top_k": self.top_k,
             "rerank": [self.rerank_top_k, self.rerank_top_n],
             "scoring": SCORING,
@@ -131,6 +137,19 @@ class EvalConfig:
 
 
 Key = Tuple[str, str, str]
+
+
+def crag_environment() -> str:
+    """A digest of the ``CRAG_*`` variables (``CRAG_LOWER=0.55`` changes every grade) and of the files the
+    calibration and grader variables name: rows graded under other settings are never reused. A digest, not
+    the values: run.json must not keep an API key or a password."""
+    digest = hashlib.sha256()
+    for name, value in sorted((k, v) for k, v in os.environ.items() if k.upper().startswith("CRAG_")):
+        digest.update(f"{name}={value}\0".encode("utf-8", "surrogateescape"))
+        named = Path(value) / WEIGHTS_FILE if name.upper() == "CRAG_GRADER" else Path(value)
+        if name.upper() in ("CRAG_CALIBRATION", "CRAG_GRADER") and named.is_file():
+            digest.update(content_hash(named).encode())
+    return digest.hexdigest()[:12]
 
 
 def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCounter] = None) -> Dict[str, Any]:
