@@ -58,7 +58,7 @@ def numbered_rows(path: Path) -> Iterator[Tuple[str, dict]]:
             raise DatasetError(f"{path}:{number + 1} is not UTF-8 text ({exc.reason})") from exc
 
 
-def _field(row: dict, where: str, *names: str) -> str:
+def text_field(row: dict, where: str, *names: str) -> str:
     """The row's first non-empty text field of ``names`` (a number is read as its digits), or an error naming it."""
     for name in names:
         value = row.get(name)
@@ -70,12 +70,21 @@ def _field(row: dict, where: str, *names: str) -> str:
     raise DatasetError(f"{where} has no {wanted} text (a non-empty string)")
 
 
+def _texts(row: dict, where: str, name: str) -> List[str]:
+    """A list field of texts (absent or null: empty); a bare string or a list of objects is refused, since a
+    string would be read a character at a time (every answer "correct", every document "relevant")."""
+    value = row.get(name) or []
+    if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
+        raise DatasetError(f"{where} has {name!r} {json.dumps(value)[:80]}: it must be a list of strings")
+    return [str(v) for v in value]
+
+
 def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
     """The corpus as LlamaIndex documents: ``doc_id`` as id and metadata (hidden from models), ``title`` shown."""
     documents: List[Document] = []
     seen: Dict[str, str] = {}
     for where, row in numbered_rows(Path(folder) / "corpus.jsonl"):
-        doc_id = clean_text(_field(row, where, "doc_id"))  # an id is stored as text too (PostgreSQL refuses NUL)
+        doc_id = clean_text(text_field(row, where, "doc_id"))  # an id is stored as text too (PostgreSQL refuses NUL)
         if doc_id in seen:  # the later would replace the earlier in any index, and answers would cite the wrong one
             raise DatasetError(f"{where} repeats doc_id {doc_id!r} of {seen[doc_id]}: each document needs its own id")
         seen[doc_id] = where
@@ -101,11 +110,11 @@ def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
     """The labelled questions (SciFact's ``claim`` is read as the question); a repeated ``qid`` is refused."""
     questions = [
         Question(
-            qid=_field(row, where, "qid"),
-            question=_field(row, where, "question", "claim"),
-            answers=[str(a) for a in row.get("answers") or []],
+            qid=text_field(row, where, "qid"),
+            question=text_field(row, where, "question", "claim"),
+            answers=_texts(row, where, "answers"),
             answerable=bool(row.get("answerable", True)),
-            relevant_doc_ids=[str(d) for d in row.get("relevant_doc_ids") or []],
+            relevant_doc_ids=_texts(row, where, "relevant_doc_ids"),
             split=row.get("split"),
             evidence={str(doc): list(e.get("sentences", [])) for doc, e in (row.get("evidence") or {}).items()},
         )

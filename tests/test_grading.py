@@ -478,6 +478,22 @@ def test_a_snippet_set_labels_the_snippets_that_hold_the_answer(tmp_path: Path, 
             assert not any(a.lower() in corpus[snippet_id].lower() for a in question["answers"])
 
 
+def test_a_snippet_set_reads_its_rows_as_every_other_command_does(tmp_path: Path, capsys: Any) -> None:
+    source = tmp_path / "set"
+    source.mkdir()
+    (source / "corpus.jsonl").write_text(json.dumps({"doc_id": 7, "text": "Mice lack the protein in this study."}))
+    rows = [
+        {"qid": "a", "question": "What do mice lack?", "answers": ["the protein"], "relevant_doc_ids": ["7"]},
+        {"qid": "b", "question": "Why?", "answers": None, "relevant_doc_ids": ["7"]},
+    ]
+    (source / "questions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["snippets", "--dataset", str(source), "--out", str(tmp_path / "a"), "--min-words", "3"]) == 0
+    # "answers": null reads as no answers (it was a TypeError); a row the loader refuses is named in one line.
+    (source / "corpus.jsonl").write_text(json.dumps({"text": "Mice lack the protein."}) + "\n")
+    assert main(["snippets", "--dataset", str(source), "--out", str(tmp_path / "b")]) == 2
+    assert "corpus.jsonl:1 has no 'doc_id' text" in capsys.readouterr().err
+
+
 def test_a_snippet_set_labels_evidence_sentences_by_index(tmp_path: Path) -> None:
     from llama_index_crag.evaluation.snippets import snippet_set
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from llama_index_crag.core.refiner import decompose
-from llama_index_crag.datasets import normalise_text, read_jsonl
+from llama_index_crag.datasets import load_questions, normalise_text, numbered_rows, text_field
 from llama_index_crag.errors import ConfigError, DatasetError
 
 
@@ -57,8 +57,8 @@ def snippet_set(folder: Path | str, out: Path | str, min_words: int = 30) -> Dic
         raise ConfigError("min_words must be at least 1")
     snippets: Dict[str, List[Dict[str, Any]]] = {}
     spans: Dict[str, List[range]] = {}
-    for row in read_jsonl(folder / "corpus.jsonl"):
-        doc_id = str(row["doc_id"])
+    for where, row in numbered_rows(folder / "corpus.jsonl"):
+        doc_id = text_field(row, where, "doc_id")
         sentences = [str(s) for s in row.get("sentences") or []]
         if sentences:
             # Whole labelled sentences, so a snippet holds an evidence sentence or does not.
@@ -72,16 +72,15 @@ def snippet_set(folder: Path | str, out: Path | str, min_words: int = 30) -> Dic
         snippets[doc_id] = [{"doc_id": f"{doc_id}#{i}", "text": part} for i, part in enumerate(parts)]
     questions: List[Dict[str, Any]] = []
     dropped = 0
-    for row in read_jsonl(folder / "questions.jsonl"):
-        relevant = [str(d) for d in row.get("relevant_doc_ids", [])]
-        answerable = bool(row.get("answerable", True))
+    for question in load_questions(folder):  # the loader's checks: a row it refuses is named, not a traceback
+        relevant, answerable = question.relevant_doc_ids, question.answerable
         if not answerable:
             ids = [s["doc_id"] for d in relevant for s in snippets.get(d, [])]
         else:
             ids = []
-            answers = [a for a in (normalise_text(a) for a in row.get("answers", [])) if a]
+            answers = [a for a in map(normalise_text, question.answers) if a]
             for doc_id in relevant:
-                evidence = set(((row.get("evidence") or {}).get(doc_id) or {}).get("sentences", []))
+                evidence = set(question.evidence.get(doc_id, []))
                 doc_spans = spans.get(doc_id, [])
                 for i, snippet in enumerate(snippets.get(doc_id, [])):
                     text = normalise_text(snippet["text"]) if answers else ""
@@ -93,12 +92,12 @@ def snippet_set(folder: Path | str, out: Path | str, min_words: int = 30) -> Dic
                 continue
         questions.append(
             {
-                "qid": str(row["qid"]),
-                "question": row.get("question") or row["claim"],
-                "answers": list(row.get("answers", [])),
+                "qid": question.qid,
+                "question": question.question,
+                "answers": list(question.answers),
                 "answerable": answerable,
                 "relevant_doc_ids": ids,
-                **({"split": row["split"]} if row.get("split") else {}),
+                **({"split": question.split} if question.split else {}),
             }
         )
     if not questions:
