@@ -51,3 +51,20 @@ def seconds(text: str) -> float:
     if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
         raise argparse.ArgumentTypeError(f"{text} is not a time in seconds (more than 0, at most {MAX_TIMEOUT_S:g})")
     return value
+
+
+def http_url(text: str) -> str:
+    """An http(s) URL with a host (a server's address): ``http://[::1`` or ``localhost:11434`` is refused here
+    rather than taken for a server that does not answer."""
+    import httpx
+
+    try:
+        url = httpx.URL(text)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid URL ({exc})") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL with a host, such as http://localhost:11434")
+    return text
+
+
+http_url.__name__ = "an http(s) URL"

@@ -19,6 +19,7 @@ from llama_index.llms.ollama import Ollama
 
 from llama_index_crag import CorrectiveQueryEngine, GenerationError, InvalidQueryError
 from llama_index_crag.cli import main
+from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.stores.chunking import clean_text
 
@@ -331,6 +332,22 @@ def test_the_cli_names_the_bad_line_of_a_dataset(tmp_path: Path, capsys: pytest.
             '{"qid": "q", "question": "Why?"}',
             "corpus.jsonl:2 repeats doc_id 'a' of",
         ),
+        # A bare string was read a character at a time: every answer "correct", every document "relevant".
+        (
+            '{"doc_id": "a", "text": "A."}',
+            '{"qid": "q", "question": "Why?", "answers": "Xylophone"}',
+            """questions.jsonl:1 has 'answers' "Xylophone": it must be a list of strings""",
+        ),
+        (
+            '{"doc_id": "a", "text": "A."}',
+            '{"qid": "q", "question": "Why?", "relevant_doc_ids": "a"}',
+            "questions.jsonl:1 has 'relevant_doc_ids' \"a\": it must be a list of strings",
+        ),
+        (
+            '{"doc_id": "a", "text": "A."}',
+            '{"qid": "q", "question": "Why?", "answers": [{"text": "A"}]}',
+            "it must be a list of strings",
+        ),
         (
             '{"doc_id": "a", "text": "A."}',
             '{"qid": "q", "question": "Why?"}\n{"qid": "q", "question": "How?"}',
@@ -382,6 +399,12 @@ def test_the_cli_says_which_option_is_missing(capsys: pytest.CaptureFixture[str]
         (["eval", "--dataset", "x", "--limit", "0"], "--limit: 0 is below 1"),
         (["calibrate", "--dataset", "x", "--limit", "two"], "--limit: 'two' is not a whole number"),
         (["grade-report", "--dataset", "x", "--folds", "1"], "--folds: 1 is below 2"),
+        (["eval", "--dataset", "x", "--top-k", "0"], "--top-k: 0 is below 1"),  # no context: every answer abstained
+        (["eval", "--dataset", "x", "--rerank-top-k", "-1"], "--rerank-top-k: -1 is below 1"),
+        (["eval", "--dataset", "x", "--rerank-top-n", "0"], "--rerank-top-n: 0 is below 1"),
+        (["doctor", "--ollama-url", "http://[::1"], "--ollama-url: 'http://[::1' is not a valid URL"),
+        (["demo", "--ollama-url", "localhost:11434"], "is not an http(s) URL with a host"),
+        (["serve", "--index", "x", "--ollama-url", "ftp://h"], "is not an http(s) URL with a host"),
     ],
 )
 def test_the_cli_refuses_a_count_port_or_time_it_cannot_use_before_loading_anything(
@@ -390,6 +413,41 @@ def test_the_cli_refuses_a_count_port_or_time_it_cannot_use_before_loading_anyth
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_the_cli_names_an_empty_system_list_and_an_output_it_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["eval", "--dataset", str(SAMPLE_DIR), "--systems", " , ", "--out", str(tmp_path / "e")]) == 2
+    assert "no system to evaluate" in capsys.readouterr().err  # it was a ZeroDivisionError after the models loaded
+    (tmp_path / "folder").mkdir()
+    assert main(["calibrate", "--dataset", str(SAMPLE_DIR), "--out", str(tmp_path / "folder")]) == 2
+    assert "is a folder: name the calibration file to write" in capsys.readouterr().err  # before the fit, not after
+    (tmp_path / "taken").write_text("a file where a folder is wanted")
+    out = tmp_path / "taken" / "inside"  # NotADirectoryError and, as root, what a read-only disk gives: OSError
+    assert main(["snippets", "--dataset", str(SAMPLE_DIR), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("llama-crag: ")
+
+
+def test_the_cli_names_an_os_error_on_a_named_path_and_leaves_others_their_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    def read_only(*args: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "out" / "corpus.jsonl"))
+
+    monkeypatch.setattr("llama_index_crag.evaluation.snippets.snippet_set", read_only)
+    assert main(["snippets", "--dataset", str(SAMPLE_DIR), "--out", str(tmp_path / "out")]) == 2
+    said = capsys.readouterr().err
+    assert said == f"llama-crag: cannot write or read {tmp_path / 'out' / 'corpus.jsonl'}: Read-only file system\n"
+
+    def no_name(*args: Any) -> Any:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr("llama_index_crag.evaluation.snippets.snippet_set", no_name)
+    with pytest.raises(OSError, match="I/O error"):
+        main(["snippets", "--dataset", str(SAMPLE_DIR), "--out", str(tmp_path / "out")])
 
 
 def test_the_cli_leaves_a_bug_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

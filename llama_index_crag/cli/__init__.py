@@ -26,8 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``llama-crag``: a problem the user can fix (a ``CragError``, a missing optional package
-    included, a missing file such as a dataset, or an output path that is a file) is printed as one line and
-    exits 2; anything else is a bug and keeps its traceback.
+    included, a missing file such as a dataset, an output path that is a file, a folder or read-only) is printed
+    as one line and exits 2; anything else is a bug and keeps its traceback.
 
     Every command but ``serve`` runs torch on the cores this process may use (a container's CPU quota
     included) unless ``OMP_NUM_THREADS`` says otherwise."""
@@ -39,4 +39,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return int(args.run(args))
     except (CragError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:  # a path the user named
         print(f"llama-crag: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path that cannot be written: a folder, read-only, not ours; not a bug
+        if exc.filename is None:
+            raise
+        print(f"llama-crag: cannot write or read {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2

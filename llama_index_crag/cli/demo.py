@@ -11,7 +11,7 @@ from typing import Any, List, Sequence
 
 from tqdm import tqdm
 
-from llama_index_crag.arguments import positive_int
+from llama_index_crag.arguments import http_url, positive_int
 from llama_index_crag.datasets import SAMPLE_DIR, Question, load_documents, load_questions
 from llama_index_crag.errors import GeneratorUnavailable
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
@@ -22,7 +22,7 @@ def add_parsers(commands: Any) -> None:
     demo = commands.add_parser("demo", help="answer the sample questions over the bundled sample corpus")
     demo.add_argument("--dataset", default=str(SAMPLE_DIR), help="folder with corpus.jsonl and questions.jsonl")
     demo.add_argument("--limit", type=positive_int, default=None, help="ask only the first N questions")
-    demo.add_argument("--ollama-url", default=DEFAULT_OLLAMA_URL, help="Ollama server to try first")
+    demo.add_argument("--ollama-url", type=http_url, default=DEFAULT_OLLAMA_URL, help="Ollama server to try first")
     demo.add_argument("--ollama-model", default=DEFAULT_OLLAMA_MODEL, help="Ollama model to use when it answers")
     demo.add_argument(
         "--generate",
@@ -47,7 +47,7 @@ def add_parsers(commands: Any) -> None:
         description="Loads and runs each part for real, times it, and prints the fix for what fails. "
         "Exits 1 when a part the demo needs fails.",
     )
-    doctor.add_argument("--ollama-url", default=DEFAULT_OLLAMA_URL, help="Ollama server to try")
+    doctor.add_argument("--ollama-url", type=http_url, default=DEFAULT_OLLAMA_URL, help="Ollama server to try")
     doctor.add_argument("--ollama-model", default=DEFAULT_OLLAMA_MODEL, help="Ollama model to look for")
     doctor.add_argument("--gguf", default=None, help="check this GGUF instead of the bundled SmolLM2")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")

@@ -171,6 +171,8 @@ def _targets(args: argparse.Namespace) -> dict:
 def _calibrate(args: argparse.Namespace) -> int:
     from llama_index_crag.calibration.report import run_calibration
 
+    if Path(args.out).is_dir():  # found before the fit, not when its result is written
+        raise ConfigError(f"--out {args.out} is a folder: name the calibration file to write")
     data = run_calibration(
         Path(args.dataset),
         args.scorer,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from llama_index_crag.arguments import LOG_LEVELS, port, positive_int, seconds
+from llama_index_crag.arguments import LOG_LEVELS, http_url, port, positive_int, seconds
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 
@@ -63,7 +63,9 @@ def add_parsers(commands: Any) -> None:
         help="auto: Ollama if it answers, else the bundled GGUF in llama.cpp; none: retrieval and grading only",
     )
     serve.add_argument("--model", default=None, help=f"Ollama model (default {DEFAULT_OLLAMA_MODEL})")
-    serve.add_argument("--ollama-url", default=None, help=f"Ollama server (default {DEFAULT_OLLAMA_URL})")
+    serve.add_argument(
+        "--ollama-url", type=http_url, default=None, help=f"Ollama server (default {DEFAULT_OLLAMA_URL})"
+    )
     serve.add_argument("--gguf", default=None, help="a GGUF file for --llm llamacpp instead of the bundled SmolLM2")
     serve.add_argument("--disable-crag", action="store_true", help="plain retrieve-then-generate, for comparison")
     serve.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (repeatable)")

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from llama_index_crag.arguments import positive_int
+from llama_index_crag.arguments import http_url, positive_int
 from llama_index_crag.core.settings import ANSWER_MODES, ON_UNGROUNDED
 from llama_index_crag.evaluation import SYSTEM_NAMES
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
@@ -58,13 +58,13 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-check", action="store_true", help="leave CRAG's generated answers unchecked (the behaviour before)"
     )
-    parser.add_argument("--top-k", type=int, default=5, help="chunks retrieved (plain, CRAG, LLM-judge)")
-    parser.add_argument("--rerank-top-k", type=int, default=10, help="chunks retrieved before reranking")
-    parser.add_argument("--rerank-top-n", type=int, default=3, help="chunks kept after reranking")
+    parser.add_argument("--top-k", type=positive_int, default=5, help="chunks retrieved (plain, CRAG, LLM-judge)")
+    parser.add_argument("--rerank-top-k", type=positive_int, default=10, help="chunks retrieved before reranking")
+    parser.add_argument("--rerank-top-n", type=positive_int, default=3, help="chunks kept after reranking")
     parser.add_argument("--cache-dir", default=".crag-cache", help="where corpus embeddings are cached")
     parser.add_argument("--fresh", action="store_true", help="ignore the rows of an earlier run in --out")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--ollama-url", default=DEFAULT_OLLAMA_URL, help="Ollama server to try first")
+    parser.add_argument("--ollama-url", type=http_url, default=DEFAULT_OLLAMA_URL, help="Ollama server to try first")
     parser.add_argument("--ollama-model", default=DEFAULT_OLLAMA_MODEL, help="Ollama model to use when it answers")
     parser.set_defaults(run=_eval)
     return parser

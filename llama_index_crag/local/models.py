@@ -40,7 +40,7 @@ def ollama_has_model(base_url: str, model: str, timeout: float = 1.0) -> bool:
         names = {m.get("name") for m in reply.json().get("models", [])} | {
             m.get("model") for m in reply.json().get("models", [])
         }
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError, AttributeError):  # AttributeError: JSON of another shape
         return False
     return model in names or f"{model}:latest" in names
 
