@@ -356,6 +356,38 @@ def test_the_quoter_never_quotes_a_claim_from_what_was_known_before_its_study() 
     assert quoted_over(claim, background, finding) == [finding]
 
 
+OFFICES = (
+    "Harbor Analytics operates three offices. The Toronto office opened in January 2020 and hosts support. "
+    "The Singapore office serves customers in the Asia-Pacific region and focuses on sales."
+)
+UPRISING = "On 1 August 1944 the Warsaw Uprising began. The armed struggle, planned for 48 hours, went on for 63 days."
+
+
+@pytest.mark.parametrize(
+    ("question", "passage", "quoted"),
+    [
+        # The strip that grades best comes before the name's first mention: it is about another office.
+        ("When did the Singapore office open?", OFFICES, None),
+        ("When did the Toronto office open?", OFFICES, "The Toronto office opened in January 2020"),
+        # Named before the strip, which refers back to it.
+        ("How many days did the Warsaw Uprising last?", UPRISING, "went on for 63 days"),
+        # Misspelt in the question; an owner is the question's frame, not what it asks about.
+        ("When did Galor and Zeria show it?", "In 1993, Galor and Zeira showed that inequality harms growth.", "1993"),
+        ("What share of Scotland's voters did not vote?", "Of the Scottish electorate, 32.9% did not vote.", "32.9%"),
+        # A claim asks for no kind of answer and is not held to its names.
+        ("Singapore offices opened in January 2020.", OFFICES, "The Toronto office opened in January 2020"),
+    ],
+)
+def test_a_quote_answers_only_about_a_name_its_passage_has_named_by_then(
+    question: str, passage: str, quoted: Optional[str]
+) -> None:
+    scorer = MarkerScorer({"opened": 0.9, "63 days": 0.9, "1993": 0.9, "32.9%": 0.9}, default=0.6)
+    nodes = [NodeWithScore(node=TextNode(text=passage))]
+    quotes = EvidenceQuoter(scorer, max_quotes=1, threshold=0.5, strip_min_tokens=3).quote(question, nodes).quotes
+    assert [q.text for q in quotes if quoted and quoted in q.text] == [q.text for q in quotes]
+    assert bool(quotes) == (quoted is not None), [q.text for q in quotes]
+
+
 def test_quotes_keep_document_order_within_a_passage(embed_model: Any) -> None:
     nodes = [ALPHA, BETA]
     scorer = MarkerScorer({"approved in march": 0.8, "alpha project budget for 2024": 0.9})

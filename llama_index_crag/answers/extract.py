@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from llama_index.core.schema import NodeWithScore
 
+from llama_index_crag.answers.names import names_what_is_asked
 from llama_index_crag.answers.sources import source_name
 from llama_index_crag.core.refiner import Strip, decompose, kept_strips
 from llama_index_crag.scorers.answer_type import asked_kinds, asks, holds_kind
@@ -362,6 +363,7 @@ class EvidenceQuoter:
                 and not gives_background(question, text)
                 and not states_a_gap(question, text)
                 and states_what_is_asked(question, f"{node.node.metadata.get('title') or ''} {strip.graded_text}")
+                and names_what_is_asked(question, node, strip)
             ):
                 seen.add(text)
                 chosen.append(i)
