@@ -437,6 +437,18 @@ def test_cors_is_off_unless_configured(server: LiveServer, loaded: Any) -> None:
         allowed = httpx.get(live.url + "/healthz", headers=origin).headers
         assert allowed["access-control-allow-origin"] == "http://elsewhere.example"
 
+        # The body limit answers inside CORS and the metrics: a browser can read the 413, and it is counted.
+        def refused() -> float:  # the counters are the process's: other tests' 413s are in them too
+            lines = httpx.get(live.url + "/metrics").text.splitlines()
+            counted = 'crag_http_requests_total{route="/query",status="413"} '
+            return sum(float(line[len(counted) :]) for line in lines if line.startswith(counted))
+
+        before = refused()
+        for _ in range(2):
+            big = httpx.post(live.url + "/query", json={"query": "x", "pad": "y" * 70_000}, headers=origin)
+            assert big.status_code == 413 and big.headers["access-control-allow-origin"] == "http://elsewhere.example"
+        assert refused() == before + 2
+
 
 def test_a_dead_generator_gives_503_naming_it_and_the_server_stays_up(loaded: Any) -> None:
     from llama_index.llms.ollama import Ollama

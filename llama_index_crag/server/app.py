@@ -58,6 +58,10 @@ def create_app(
     for router in (query.router, openai.router, admin.public, admin.guarded):
         app.include_router(router)
     app.mount("/static", admin.ConsoleFiles(directory=admin.STATIC), name="static")
+    # The last added is the outermost. The body limit reads the body before the app does, inside the metrics
+    # (a 413 is counted like any other status) and inside CORS (a browser can read the 413).
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=metrics)
     if config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -67,6 +71,4 @@ def create_app(
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "X-API-Key"],
         )
-    app.add_middleware(RequestMetrics, metrics=metrics)
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)  # outermost: before anything reads the body
     return app
