@@ -80,7 +80,10 @@ class UrlPolicy:
             return f"not a valid URL ({exc})"
         if parts.scheme not in ("http", "https"):
             return f"scheme {parts.scheme or '(none)'!r} is not http(s)"
-        host = _ascii_host((parts.hostname or "").lower().rstrip("."))
+        try:
+            host = wire_host(url)
+        except (httpx.InvalidURL, UnicodeError) as exc:
+            return f"not a valid URL ({exc})"
         if not host:
             return "the URL has no host"
         if any(_matches(host, d) for d in self.deny):
@@ -93,9 +96,11 @@ class UrlPolicy:
         """Why the host of ``url`` resolves somewhere it must not go, or None."""
         if self.allow_private:
             return None
-        host = urlsplit(url).hostname or ""
         try:
+            host = wire_host(url)  # the host httpx will connect to, not another spelling of it
             infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        except (httpx.InvalidURL, UnicodeError) as exc:
+            return f"not a valid URL ({exc})"
         except OSError as exc:
             return f"cannot resolve {host}: {exc}"
         for info in infos:
@@ -114,15 +119,17 @@ def _domain(entry: str) -> str:
         raise ConfigError(
             f"{entry!r} is not a domain for the web allow or deny list: write example.org or *.example.org"
         )
-    return _ascii_host(domain)
-
-
-def _ascii_host(host: str) -> str:
-    """``host`` in its ASCII spelling (IDNA), as it goes on the wire; as given when it has none."""
     try:
-        return host.encode("idna").decode("ascii")
-    except UnicodeError:
-        return host
+        return wire_host(f"http://{domain}/")
+    except (httpx.InvalidURL, UnicodeError) as exc:
+        raise ConfigError(f"{entry!r} is not a domain for the web allow or deny list ({exc})") from exc
+
+
+def wire_host(url: str) -> str:
+    """The host of ``url`` as httpx sends it and connects to it: lower case, in its ASCII spelling (IDNA 2008,
+    as httpx encodes it: "straße.de" is xn--strae-oqa.de, not the strasse.de of Python's IDNA 2003 codec,
+    which would let a list entry or the address check speak of another domain than the one fetched)."""
+    return httpx.URL(url).raw_host.decode("ascii").lower().rstrip(".")
 
 
 def _matches(host: str, domain: str) -> bool:
