@@ -244,6 +244,9 @@ class SearxNG:
                 h.wfile.write(b" ")
                 h.wfile.flush()
             return
+        if self.mode == "deep":
+            _send(200, "application/json", b"[" * 100_000 + b"]" * 100_000)(h)
+            return
         if self.mode == "not-a-list":
             _send(200, "application/json", b'{"results": {"url": "http://example.org/"}}')(h)
             return
@@ -640,6 +643,12 @@ def test_a_deny_list_entry_matches_the_host_in_either_spelling() -> None:
     assert "deny list" in (UrlPolicy(deny=["bücher.de"]).check("http://xn--bcher-kva.de/buch") or "")
     assert "deny list" in (UrlPolicy(deny=["xn--bcher-kva.de"]).check("http://shop.bücher.de/") or "")
     assert UrlPolicy(deny=["bücher.de"]).check("http://example.org/") is None
+    # Compared as httpx sends the host (IDNA 2008): straße.de is xn--strae-oqa.de, another domain than strasse.de.
+    assert "deny list" in (UrlPolicy(deny=["xn--strae-oqa.de"]).check("http://straße.de/page") or "")
+    assert "not on the allow list" in (UrlPolicy(allow=["strasse.de"]).check("http://straße.de/page") or "")
+    assert UrlPolicy(allow=["straße.de"]).check("http://xn--strae-oqa.de/page") is None
+    # The address check resolves the host that is fetched: a name that resolves only in its fetched spelling.
+    assert "non-public address" in (UrlPolicy().check_address("http://LOCALHOST./") or "")
     for entry in ("https://evil.org", "evil.org:8080", "evil.org/path"):  # would never match: the list fails open
         with pytest.raises(ConfigError, match="is not a domain"):
             UrlPolicy(deny=[entry])
@@ -771,8 +780,22 @@ def test_searxng_json_of_another_shape_is_a_search_error_and_odd_items_are_skipp
     state.mode = "not-a-list"
     with pytest.raises(WebSearchError, match="without a 'results' list"):
         SearxNGSearch(searx.url).search(REWRITTEN, max_results=3, timeout_s=2.0)
+    state.mode = "deep"  # nested past the JSON parser's depth: a RecursionError, not a search error, before
+    with pytest.raises(WebSearchError, match="failed: RecursionError"):
+        SearxNGSearch(searx.url).search(REWRITTEN, max_results=3, timeout_s=5.0)
     state.mode, state.urls = "odd-items", urls(pages, "/harbor")
     assert [r.url for r in SearxNGSearch(searx.url).search(REWRITTEN, 3, 2.0)] == [f"{pages.url}/harbor"]
+
+
+def test_a_searxng_password_in_its_url_is_never_shown(searxng: Any) -> None:
+    from llama_index_crag.errors import WebSearchError
+
+    state, searx = searxng
+    state.mode = "failing"
+    secret = searx.url.replace("http://", "http://admin:S3cretPass@")
+    with pytest.raises(WebSearchError) as failed:
+        SearxNGSearch(secret).search(REWRITTEN, max_results=3, timeout_s=2.0)
+    assert "S3cretPass" not in str(failed.value) and "http://***@127.0.0.1" in str(failed.value)
 
 
 def test_searxng_provider_reads_the_json_api(searxng: Any, pages: RecordingServer) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Protocol, Sequence
@@ -36,6 +37,11 @@ class SearchProvider(Protocol):
         ...
 
 
+def without_credentials(text: str) -> str:
+    """``text`` with the user and password of every URL in it masked (``http://admin:***@host``)."""
+    return re.sub(r"(?<=://)[^/\s@]+@", "***@", text)
+
+
 class SearxNGSearch:
     """A SearxNG instance through its documented JSON API (``/search?q=...&format=json``).
 
@@ -53,7 +59,8 @@ class SearxNGSearch:
         # httpx's timeout bounds each read, not the call: a server that drips its answer a byte a second would hold
         # the search for as long as it pleases. So the body is read here, against a deadline for the whole call.
         deadline = time.monotonic() + timeout_s
-        late = WebSearchError(f"SearxNG at {self.base_url} did not answer within {timeout_s:g} s")
+        where = without_credentials(self.base_url)  # the errors end in traces and abstention reasons
+        late = WebSearchError(f"SearxNG at {where} did not answer within {timeout_s:g} s")
         try:
             with httpx.stream(
                 "GET",
@@ -70,18 +77,18 @@ class SearxNGSearch:
                     if time.monotonic() > deadline:
                         raise late
                     if len(body) > MAX_ANSWER_BYTES:
-                        raise WebSearchError(f"SearxNG at {self.base_url} answered over {MAX_ANSWER_BYTES:,} bytes")
+                        raise WebSearchError(f"SearxNG at {where} answered over {MAX_ANSWER_BYTES:,} bytes")
             data = json.loads(body)
         except httpx.TimeoutException as exc:
             raise late from exc
-        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError, RecursionError) as exc:  # Recursion: JSON nested deep
             raise WebSearchError(
-                f"SearxNG at {self.base_url} failed: {type(exc).__name__}: {exc} "
+                f"SearxNG at {where} failed: {type(exc).__name__}: {without_credentials(str(exc))} "
                 "(is the instance up, and is 'json' in its search.formats?)"
             ) from exc
         results = data.get("results", []) if isinstance(data, dict) else None
         if not isinstance(results, list):
-            raise WebSearchError(f"SearxNG at {self.base_url} answered JSON without a 'results' list")
+            raise WebSearchError(f"SearxNG at {where} answered JSON without a 'results' list")
         return _results(results, "url", "content", max_results)
 
 
