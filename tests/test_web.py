@@ -212,6 +212,8 @@ def pages() -> Iterator[RecordingServer]:
                 "/bomb": _bomb,
                 "/brotli": _encoded("br", b"\x1b\x03\x00\xf8\x25\x82\x82"),
                 "/broken-gzip": _encoded("gzip", b"\x1f\x8b\x08\x00" + b"not gzip at all" * 20),
+                "/unparsable": _send(200, "text/html", b"<html><body><p>Hi.</p><![foo[ x ]]></body></html>"),
+                "/nested": _send(200, "text/html", b"<html><body>" + b"<div>" * 15_000 + b"</div>" * 15_000),
                 "/redirect-off-list": _redirect(lambda: f"http://localhost:{server.port}/offlist"),
                 "/redirect-ok": _redirect(lambda: "/harbor"),
             }
@@ -545,6 +547,8 @@ def test_loopback_and_private_addresses_are_refused_unless_allowed(searxng: Any,
         ("/image.png", "not a text page (image/png)"),
         ("/download", "not a text page (application/octet-stream)"),
         ("/garbage", "binary or undecodable"),
+        ("/unparsable", "the page could not be parsed: ParserRejectedMarkup"),  # it stopped the whole search
+        ("/nested", "no main text found"),  # searched each tag's subtree once per tag: minutes of CPU, not 1 s
     ],
 )
 def test_bad_pages_are_refused_with_a_reason_and_good_ones_still_used(

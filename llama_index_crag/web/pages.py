@@ -235,7 +235,10 @@ def _fetch(
             return Refusal(url, f"no answer within {timeout:.3g} s")
         except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL: a redirect's bad Location, not an HTTPError
             return Refusal(url, f"{type(exc).__name__}: {exc}")
-        return _page(url, bytes(body), content_type, mime)
+        try:
+            return _page(url, bytes(body), content_type, mime)
+        except Exception as exc:  # a hostile page may break the parser ("<![foo[ x ]]>"): it alone is refused
+            return Refusal(url, f"the page could not be parsed: {type(exc).__name__}: {exc}")
     return Refusal(url, f"more than {MAX_REDIRECTS} redirects")
 
 
@@ -348,7 +351,9 @@ def extract_main_text(html: str) -> Tuple[str, str]:
     for tag in soup(_DROPPED_TAGS):
         tag.decompose()
     for tag in soup.find_all(_is_hidden):
-        if isinstance(tag, Tag) and not tag.decomposed:
+        # Not tag.decomposed: on a Tag that reads getattr(tag, "_decomposed"), which Tag.__getattr__ answers with
+        # a search of the whole subtree for a tag of that name, once per tag (quadratic on deeply nested pages).
+        if isinstance(tag, Tag) and not vars(tag).get("_decomposed", False):
             tag.decompose()
     text = trafilatura.extract(str(soup), include_comments=False, include_tables=True) or ""
     return title, text.strip()
@@ -357,7 +362,7 @@ def extract_main_text(html: str) -> Tuple[str, str]:
 def _is_hidden(tag: object) -> bool:
     from bs4 import Tag
 
-    if not isinstance(tag, Tag) or tag.decomposed:
+    if not isinstance(tag, Tag):
         return False
     if tag.has_attr("hidden") or str(tag.get("aria-hidden", "")).lower() == "true":
         return True
