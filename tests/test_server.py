@@ -129,6 +129,15 @@ def test_ingest_takes_documents_with_nul_surrogates_odd_names_and_a_huge_word(tm
     assert "\x00" not in "".join(texts.values()) and "\ufffd" in texts["surrogate"]
 
 
+def test_ingest_skips_html_its_parser_rejects_and_takes_the_rest(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The Ostmoor creamery ages Vell Blue for nine weeks in a sandstone cave.")
+    (docs / "b.html").write_text("<html><body><p>Hi.</p><![foo[ x ]]></body></html>")  # a traceback, before
+    report = ingest(docs, tmp_path / "index", warm_fallback=False)
+    assert report.added == ["a.txt"] and report.skipped == ["b.html (HTML the parser rejects: ParserRejectedMarkup)"]
+
+
 def test_ingest_refuses_what_it_cannot_index(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(IndexFolderError, match="no document with text"):

@@ -98,7 +98,11 @@ def read_documents(source: Path, exclude: Optional[Path] = None) -> tuple[List[D
             continue
         text = raw.decode("utf-8", errors="replace")
         if path.suffix.lower() in (".html", ".htm"):
-            text = _html_text(text)
+            try:
+                text = _html_text(text)
+            except Exception as exc:  # bs4's ParserRejectedMarkup ("<![foo[ x ]]>"): this file, not the ingest
+                skipped.append(f"{relative} (HTML the parser rejects: {type(exc).__name__})")
+                continue
         text = clean_text(text)
         if not text.strip():
             skipped.append(f"{relative} (empty)")
