@@ -484,6 +484,20 @@ def test_scrub_keeps_years_and_amounts_but_drops_phone_numbers() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("query", "sent"),
+    [
+        ("Why was IBAN DE89370400440532013000 blocked?", "Why was IBAN DE blocked?"),  # digits touching letters
+        ("Who owns +1 555\u2013123\u20134567?", "Who owns ?"),  # en dashes
+        ("Who answers 5551234ext at Acme?", "Who answers ext at Acme?"),
+        ("Mail john&jane@example.com or o'neil.j@example.org", "Mail or"),  # the whole address, not its tail
+        *[(kept, kept) for kept in ("GATA3 and A-769662 in 1998, version 7.2.1, $61.4 million",)],
+    ],
+)
+def test_scrub_removes_what_the_docs_promise_in_every_spelling(query: str, sent: str) -> None:
+    assert scrub_query(query) == sent
+
+
 def test_forbidden_in_the_environment_sends_nothing_whatever_the_code_says(
     monkeypatch: pytest.MonkeyPatch, searxng: Any, pages: RecordingServer
 ) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-_EMAIL = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
-# A run of digits, spaces and phone punctuation, optionally after +; kept only if it has 7 digits or more,
-# so years, amounts and version numbers stay in the query.
-_PHONE_LIKE = re.compile(r"(?<![\w.])\+?\(?\d[\d\s().\-/]{5,}\d(?![\w])")
+# The local part as RFC 5322 allows it unquoted ("john&jane@", "o'neil.j@"), not only letters, dots, + and -.
+_EMAIL = re.compile(r"[\w.!#$%&'*+/=?^`{|}~-]+@[\w-]+(?:\.[\w-]+)+")
+# A run of digits, spaces and phone punctuation (dashes of every kind: "555–123–4567"), optionally after +;
+# removed only if it has 7 digits or more, so years, amounts and version numbers stay in the query. It may
+# touch letters ("DE89370400440532013000", an IBAN; "5551234ext"), not other digits or a decimal point.
+_PHONE_LIKE = re.compile(r"(?<![\d.])\+?\(?\d[\d\s().\-/\u2010-\u2015\u2212]{5,}\d(?!\d)")
 
 
 def scrub_query(query: str, patterns: Sequence[str] = ()) -> str:
