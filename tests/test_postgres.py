@@ -156,6 +156,30 @@ def test_ingest_again_updates_only_what_changed_and_keeps_the_frequencies_right(
     store.close()
 
 
+def test_two_ingests_of_one_folder_at_once_both_finish_and_the_store_holds_each_document_once(
+    pg_url: str,  # noqa: F811
+    embed_model: Any,
+    tmp_path: Path,
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = _copy_sample(tmp_path / "docs", 12)
+    stores = [PostgresStore(pg_url, table="concurrent") for _ in range(2)]
+    # Each reads what the store holds before the lock; the second used to insert again what the first had
+    # written meanwhile (UniqueViolation). batch_documents=2: many transactions, so the two interleave.
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(ingest, tmp_path / "docs", store, embed_model, 3, 2) for store in stores]
+        reports = [run.result() for run in runs]
+    assert all(r.documents == len(paths) for r in reports)
+    with stores[0].connection() as conn:
+        rows = conn.execute(f"SELECT ref_doc_id, chunks FROM {stores[0].name('documents')}").fetchall()
+        chunks = conn.execute(f"SELECT count(*) FROM {stores[0].name('chunks')}").fetchone()
+    assert sorted(r[0] for r in rows) == sorted(p.name for p in paths)
+    assert chunks is not None and chunks[0] == sum(r[1] for r in rows) == stores[0].meta()["chunks"]
+    for store in stores:
+        store.close()
+
+
 def test_a_store_embedded_with_another_model_is_refused_with_the_fix(sample_store: PostgresStore) -> None:
     from llama_index.core.embeddings import MockEmbedding
 

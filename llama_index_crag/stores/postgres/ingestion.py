@@ -85,7 +85,9 @@ def ingest(
         )
         with store.connection() as conn, conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (store.name("meta"),))
-            _delete_documents(conn, store, [d.id_ for d in batch if d.id_ in known])
+            # Every id of the batch, not only those known before the lock: an ingest running beside this one
+            # may have written them since (then inserting them again was a UniqueViolation).
+            _delete_documents(conn, store, [d.id_ for d in batch])
             _insert(conn, store, batch, chunks, chunk_vectors, windows, window_vectors)
         bar.update(len(batch))
     bar.close()
