@@ -138,6 +138,15 @@ def test_ingest_skips_html_its_parser_rejects_and_takes_the_rest(tmp_path: Path)
     assert report.added == ["a.txt"] and report.skipped == ["b.html (HTML the parser rejects: ParserRejectedMarkup)"]
 
 
+def test_two_files_that_would_share_a_document_id_are_refused_by_name(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / b"a\xff.txt".decode("utf-8", "surrogateescape")).write_text("The cave was dug in 1871.")
+    (docs / "a\\xff.txt").write_text("The shop opens at eight.")  # the escape of the first name, as written
+    with pytest.raises(IndexFolderError, match=r"read as the document id 'a\\\\xff.txt': rename one"):
+        ingest(docs, tmp_path / "index", warm_fallback=False)
+
+
 def test_ingest_refuses_what_it_cannot_index(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(IndexFolderError, match="no document with text"):

@@ -82,10 +82,10 @@ def read_documents(source: Path, exclude: Optional[Path] = None) -> tuple[List[D
     if (source / "corpus.jsonl").exists():
         documents = [d for d in load_documents(source) if d.text.strip()]
         return documents, []
-    documents, skipped = [], []
+    documents, skipped, ids = [], [], set()
     indexes = {p.parent for p in source.rglob(MANIFEST)} | ({exclude.resolve()} if exclude else set())
     for path in sorted(p for p in source.rglob("*") if p.is_file() and _readable(p, source, indexes)):
-        # a name that is not UTF-8 keeps its bytes visible (and distinct) as backslash escapes
+        # a name that is not UTF-8 keeps its bytes visible as backslash escapes (a real name may hold the same)
         relative = (
             path.relative_to(source).as_posix().encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         )
@@ -107,6 +107,11 @@ def read_documents(source: Path, exclude: Optional[Path] = None) -> tuple[List[D
         if not text.strip():
             skipped.append(f"{relative} (empty)")
             continue
+        if relative in ids:
+            raise IndexFolderError(  # a name that is not UTF-8 is written with escapes a real name may hold too
+                f"two files of {source} read as the document id {relative!r}: rename one of them"
+            )
+        ids.add(relative)
         documents.append(
             Document(
                 text=text,
