@@ -371,6 +371,8 @@ def test_api_key_guards_every_route_but_healthz(loaded: Any) -> None:
         assert httpx.get(live.url + "/metrics").status_code == 401
         assert httpx.get(live.url + "/recent", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(live.url + "/healthz").status_code == 200
+        assert httpx.get(live.url + "/recent").headers["www-authenticate"] == "Bearer"  # as HTTP asks of a 401
+        assert "POST" in httpx.put(live.url + "/query").headers["allow"]  # and of a 405
         # A bad body without the key is 401 too, not a 422 that says what the body lacks.
         for body in (b'{"query": ', b'{"nothing": 1}', b"\xff\xfe{}", b"[" * 5_000):
             for path in ("/query", "/v1/chat/completions"):

@@ -49,4 +49,5 @@ def _refusal(request: Request, given: str) -> Optional[ApiError]:
         "unauthorized",
         "this server needs an API key: Authorization: Bearer KEY or X-API-Key",
         "authentication_error",
+        headers={"WWW-Authenticate": "Bearer"},
     )

@@ -16,9 +16,17 @@ log = logging.getLogger("llama_index_crag.server")
 class ApiError(Exception):
     """An error answered as JSON with its HTTP status."""
 
-    def __init__(self, status: int, code: str, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        kind: str = "invalid_request_error",
+        headers: Optional[Dict[str, str]] = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.kind = status, code, message, kind
+        self.headers = dict(headers or {})  # what HTTP asks of the status: Allow on a 405, WWW-Authenticate on a 401
 
     @classmethod
     def mid_stream(cls, exc: Exception) -> ApiError:
@@ -29,7 +37,7 @@ class ApiError(Exception):
         return {"error": {"type": self.kind, "code": self.code, "message": self.message}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 #: What FastAPI says of a body its JSON decoder raised on with anything but a decode error.
@@ -72,7 +80,7 @@ def add_error_handlers(app: FastAPI, unauthorized: Callable[[Request], Optional[
                 return refused.response()
             return ApiError(422, "invalid_request", "body: not readable as JSON (send UTF-8 JSON)").response()
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return ApiError(exc.status_code, code, str(exc.detail)).response()
+        return ApiError(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
