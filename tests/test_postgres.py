@@ -506,6 +506,20 @@ def test_a_postgresql_connection_string_is_taken_in_each_form(url: str) -> None:
     assert PostgresStore(url).url in ("postgresql://x@db/y", "host=db dbname=y")
 
 
+@pytest.mark.parametrize("schema", ["order", "user", "pg_catalog"])
+def test_a_schema_named_with_a_reserved_word_is_refused_when_the_store_is_made(schema: str) -> None:
+    # Written unquoted in every statement: it passed the name check and failed in a psycopg SyntaxError.
+    with pytest.raises(StoreError, match=f"schema '{schema}' is a word PostgreSQL reserves"):
+        PostgresStore("postgresql://x@db/y", schema=schema)
+
+
+def test_a_text_search_configuration_the_server_lacks_is_named(pg_url: str) -> None:  # noqa: F811
+    store = PostgresStore(pg_url, table="no_such_config", text_search_config="klingon")
+    with pytest.raises(StoreError, match="has no text search configuration 'klingon'"):
+        store.create_schema()
+    store.close()
+
+
 @pytest.mark.parametrize("url", ["mysql://crag:s3cret@db/rag", "sqlite:///rag.db", "redis://db:6379"])
 def test_a_connection_string_for_another_database_is_refused_by_name(url: str) -> None:
     # It used to reach the server check and be reported as a PostgreSQL "with no pgvector".

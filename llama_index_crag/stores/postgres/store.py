@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Sequen
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import BaseNode, TextNode
 from llama_index.core.vector_stores.utils import metadata_dict_to_node
+from sqlalchemy.dialects.postgresql.base import RESERVED_WORDS
 
 from llama_index_crag.errors import MissingDependency, StoreError, StoreUnavailableError
 
@@ -101,6 +102,8 @@ class PostgresStore:
         for name in (table, schema, text_search_config):
             if not _NAME.match(name):
                 raise StoreError(f"{name!r} is not a plain lower-case SQL name: use letters, digits and _")
+        if schema in RESERVED_WORDS or schema.startswith("pg_"):  # written unquoted in every statement
+            raise StoreError(f"schema {schema!r} is a word PostgreSQL reserves: name another schema")
         scheme = re.match(r"^([A-Za-z][\w+.-]*)://", url)
         if scheme and not re.fullmatch(r"postgres(ql)?(\+\w+)?", scheme.group(1), re.IGNORECASE):
             raise StoreError(
@@ -287,10 +290,17 @@ class PostgresStore:
                 updated TIMESTAMPTZ NOT NULL DEFAULT now())""",
             f"CREATE TABLE IF NOT EXISTS {self.name('meta')} (key VARCHAR PRIMARY KEY, value JSONB NOT NULL)",
         ]
-        with self.connection() as conn, conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (self.name("meta"),))
-            for statement in statements:
-                conn.execute(statement)
+        psycopg, _, _ = _psycopg()
+        try:
+            with self.connection() as conn, conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (self.name("meta"),))
+                for statement in statements:
+                    conn.execute(statement)
+        except psycopg.errors.UndefinedObject as exc:  # the one name the server knows or not: a text search config
+            raise StoreError(
+                f"the PostgreSQL store at {redacted(self.url)} has no text search configuration {cfg!r} "
+                f"(SELECT cfgname FROM pg_ts_config lists those it has): {exc}"
+            ) from exc
 
     def vector_index(self, part: str, precision: Optional[str] = None) -> str:
         """The (unqualified) name of the HNSW index on ``part`` (``chunks`` or ``windows``) of ``precision``."""
