@@ -665,6 +665,7 @@ def test_a_deny_list_entry_matches_the_host_in_either_spelling() -> None:
     assert "deny list" in (UrlPolicy(deny=["xn--strae-oqa.de"]).check("http://straße.de/page") or "")
     assert "not on the allow list" in (UrlPolicy(allow=["strasse.de"]).check("http://straße.de/page") or "")
     assert UrlPolicy(allow=["straße.de"]).check("http://xn--strae-oqa.de/page") is None
+    assert UrlPolicy().check("http://alice:pw1@example.org/") == "the URL carries a user name or password"
     # The address check resolves the host that is fetched: a name that resolves only in its fetched spelling.
     assert "non-public address" in (UrlPolicy().check_address("http://LOCALHOST./") or "")
     for entry in ("https://evil.org", "evil.org:8080", "evil.org/path"):  # would never match: the list fails open

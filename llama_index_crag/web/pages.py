@@ -80,6 +80,8 @@ class UrlPolicy:
             return f"not a valid URL ({exc})"
         if parts.scheme not in ("http", "https"):
             return f"scheme {parts.scheme or '(none)'!r} is not http(s)"
+        if "@" in parts.netloc:  # httpx would send them as Basic auth, and the trace would show them
+            return "the URL carries a user name or password"
         try:
             host = wire_host(url)
         except (httpx.InvalidURL, UnicodeError) as exc:
