@@ -225,9 +225,15 @@ def test_streaming_query_sends_tokens_then_the_result(server: LiveServer) -> Non
 
 
 def test_openai_sdk_uses_the_engine_as_a_model(server: LiveServer) -> None:
+    import openai
     from openai import OpenAI
 
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    # Chat UIs list the models first (it was a 404): the one listed is the name completions carry.
+    [listed] = list(client.models.list())
+    assert client.models.retrieve(listed.id).id == listed.id and listed.owned_by == "llama-index-crag"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
     completion = client.chat.completions.create(
         model="llama-index-crag",
         messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": OUT_OF_CORPUS}],
@@ -237,6 +243,7 @@ def test_openai_sdk_uses_the_engine_as_a_model(server: LiveServer) -> None:
     extra = completion.model_extra or {}
     assert extra["crag"]["abstained"] and extra["crag"]["query"] == OUT_OF_CORPUS
 
+    assert completion.model == listed.id
     stream = client.chat.completions.create(
         model="llama-index-crag", messages=[{"role": "user", "content": ANSWERED}], stream=True
     )

@@ -144,6 +144,22 @@ class ChatCompletion(BaseModel):
     sources: List[Source]
 
 
+class Model(BaseModel):
+    """One model as OpenAI's ``/v1/models`` lists it: this server's engine, under the name chat completions give."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llama-index-crag"
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``: the one model this server answers as."""
+
+    object: Literal["list"] = "list"
+    data: List[Model]
+
+
 #: The errors a data route may answer, for ``/openapi.json``.
 ERROR_RESPONSES: Dict[Union[int, str], Dict[str, Any]] = {
     status: {"model": ErrorBody, "description": what}

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: OpenAI's chat format over the engine, so existing clients and SDKs use it as a model.
+"""``POST /v1/chat/completions``: OpenAI's chat format over the engine, so existing clients and SDKs use it as a model;
+``GET /v1/models``, which clients (chat UIs, ``client.models.list()``) ask before they chat, lists it.
 
 The last user message is the question (the route is single-turn), an abstention is an
 ordinary assistant message, and the trace travels in the extra ``crag`` field beside
@@ -23,10 +24,14 @@ from llama_index_crag.server.schemas import (
     ChatChoice,
     ChatCompletion,
     ChatRequest,
+    Model,
+    ModelList,
 )
 from llama_index_crag.server.service import Service, answer_text
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
+#: When the server started: a model's ``created`` (OpenAI gives a Unix time).
+STARTED = int(time.time())
 
 
 def chat_query(request: ChatRequest) -> str:
@@ -96,3 +101,18 @@ async def chat(body: ChatRequest, service: Service) -> Any:
         yield {"data": "[DONE]"}
 
     return EventSourceResponse(chunks())
+
+
+@router.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
+async def models(service: Service) -> ModelList:
+    """The model this server answers as: the name its chat completions carry."""
+    return ModelList(data=[Model(id=service.config.model_name, created=STARTED)])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=Model, responses={401: ERROR_RESPONSES[401], 404: {}})
+async def model(model_id: str, service: Service) -> Model:
+    """The model named ``model_id``, when it is this server's."""
+    if model_id != service.config.model_name:
+        named = f"this server answers as {service.config.model_name!r}, not {model_id!r}"
+        raise ApiError(404, "model_not_found", named)
+    return Model(id=model_id, created=STARTED)
