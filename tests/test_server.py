@@ -533,6 +533,16 @@ def test_several_workers_under_concurrent_load_answer_without_errors_or_cross_ta
         result = run_load(served.url, questions, total=200, concurrency=50)
         counted = sum(float(line.split(" ")[1]) for line in served.metrics() if line.startswith("crag_actions_total{"))
         health = httpx.get(served.url + "/healthz").json()
+        # The rates are the server's, from the window counts of both workers: the same at every scrape (each
+        # scrape used to show the rate of whichever worker answered it).
+        scrapes = [
+            {line.split(" ")[0]: float(line.split(" ")[1]) for line in served.metrics() if line.startswith("crag_")}
+            for _ in range(6)
+        ]
+    window = scrapes[0]
+    assert window["crag_window_queries"] == 200
+    for rate, count in (("crag_fallback_rate", "crag_window_fallbacks"), ("crag_refusal_rate", "crag_window_refusals")):
+        assert {scrape[rate] for scrape in scrapes} == {window[count] / 200}, (rate, [s[rate] for s in scrapes])
     assert result.errors == [] and len(result.outcomes) == 200
     assert not any(o.cross_talk for o in result.outcomes)
     assert {o.action for o in result.outcomes} >= {"correct", "incorrect"}

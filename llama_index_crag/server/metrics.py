@@ -8,7 +8,8 @@ server's requests, query latency by action, and fallback and refusal rates over 
 
 With several worker processes, ``llama-crag serve`` sets ``PROMETHEUS_MULTIPROC_DIR`` before the
 workers start and ``/metrics`` aggregates every worker's counters and histograms; the window
-rates are each worker's latest (mostrecent), and the window counts are summed over live workers.
+counts are summed over live workers, and the two rates are computed from those sums at each
+scrape (a rate of one worker, whichever answered the scrape, is not the server's).
 """
 
 from __future__ import annotations
@@ -57,17 +58,24 @@ QUERY_SECONDS = Histogram(
     ["action"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
 )
-FALLBACK_RATE = Gauge(
-    "crag_fallback_rate",
-    "Share of the queries in the last window that searched the fallback (the corpus did not cover them at first).",
-    multiprocess_mode="mostrecent",
+FALLBACK_HELP = (
+    "Share of the queries in the last window that searched the fallback (the corpus did not cover them at first)."
 )
-REFUSAL_RATE = Gauge(
-    "crag_refusal_rate",
-    "Share of the queries in the last window that ended in an abstention.",
-    multiprocess_mode="mostrecent",
-)
+REFUSAL_HELP = "Share of the queries in the last window that ended in an abstention."
+FALLBACK_RATE = Gauge("crag_fallback_rate", FALLBACK_HELP, multiprocess_mode="mostrecent")
+REFUSAL_RATE = Gauge("crag_refusal_rate", REFUSAL_HELP, multiprocess_mode="mostrecent")
 WINDOW_QUERIES = Gauge("crag_window_queries", "Queries in the rate window.", multiprocess_mode="livesum")
+WINDOW_FALLBACKS = Gauge(
+    "crag_window_fallbacks", "Queries in the rate window that searched the fallback.", multiprocess_mode="livesum"
+)
+WINDOW_REFUSALS = Gauge(
+    "crag_window_refusals", "Queries in the rate window that ended in an abstention.", multiprocess_mode="livesum"
+)
+#: Each rate: its help text, and the window count it is the share of.
+_RATES = {
+    "crag_fallback_rate": (FALLBACK_HELP, "crag_window_fallbacks"),
+    "crag_refusal_rate": (REFUSAL_HELP, "crag_window_refusals"),
+}
 WINDOW_SECONDS = Gauge("crag_rate_window_seconds", "Length of the rate window.", multiprocess_mode="max")
 
 #: Routes counted by their own name; anything else (unknown paths, probes) as "other", so labels stay bounded.
@@ -138,20 +146,39 @@ class ServerMetrics:
         while self._events and self._events[0][0] < now - self.window_s:
             self._events.popleft()
         total = len(self._events)
-        fallback = sum(e[1] for e in self._events) / total if total else 0.0
-        refusal = sum(e[2] for e in self._events) / total if total else 0.0
+        fallbacks, refusals = sum(e[1] for e in self._events), sum(e[2] for e in self._events)
+        fallback = fallbacks / total if total else 0.0
+        refusal = refusals / total if total else 0.0
         FALLBACK_RATE.set(fallback)
         REFUSAL_RATE.set(refusal)
         WINDOW_QUERIES.set(total)
+        WINDOW_FALLBACKS.set(fallbacks)
+        WINDOW_REFUSALS.set(refusals)
         return {"queries": total, "fallback_rate": fallback, "refusal_rate": refusal}
 
     def exposition(self) -> Tuple[bytes, str]:
         """The text exposition of every metric (of all workers, in multiprocess mode)."""
         self.rates()  # the window slides even when no query comes
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from prometheus_client import multiprocess
-
             registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
+            registry.register(_AllWorkers())
             return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+class _AllWorkers:
+    """Every worker's metrics, with the two rates computed from the window counts summed over the live workers
+    (each worker's own rate gauge is the share of its own queries)."""
+
+    def collect(self) -> Any:
+        from prometheus_client import multiprocess
+        from prometheus_client.core import GaugeMetricFamily
+
+        families = list(multiprocess.MultiProcessCollector(None).collect())
+        sums = {f.name: sum(s.value for s in f.samples) for f in families}
+        queries = sums.get("crag_window_queries", 0.0)
+        for family in families:
+            if family.name not in _RATES:
+                yield family
+        for rate, (help_text, count) in _RATES.items():
+            yield GaugeMetricFamily(rate, help_text, value=sums.get(count, 0.0) / queries if queries else 0.0)
