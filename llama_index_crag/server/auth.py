@@ -25,8 +25,9 @@ def require_api_key(
         raise refused
 
 
-def unauthorized(request: Request) -> Optional[ApiError]:
-    """The 401 for a request to a guarded route that lacks the key, read from its headers alone.
+async def unauthorized(request: Request) -> Optional[ApiError]:
+    """The 401 for a request to a guarded route that lacks the key, read from its headers as the dependency reads
+    them (the same two security schemes).
 
     FastAPI reads and validates a request's body before it runs the route's dependencies, so a
     malformed body would be answered 422, with what is wrong with it, before the key is asked
@@ -35,9 +36,8 @@ def unauthorized(request: Request) -> Optional[ApiError]:
     route = request.scope.get("route")
     if not any(getattr(d, "dependency", None) is require_api_key for d in getattr(route, "dependencies", ())):
         return None
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    given = token.strip() if scheme.lower() == "bearer" and token.strip() else request.headers.get("x-api-key", "")
-    return _refusal(request, given)
+    bearer = await _bearer(request)
+    return _refusal(request, bearer.credentials if bearer is not None else await _header(request) or "")
 
 
 def _refusal(request: Request, given: str) -> Optional[ApiError]:

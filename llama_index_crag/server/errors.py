@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Awaitable, Callable, Dict, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,7 +44,7 @@ class ApiError(Exception):
 UNPARSABLE_BODY = "There was an error parsing the body"
 
 
-def add_error_handlers(app: FastAPI, unauthorized: Callable[[Request], Optional[ApiError]]) -> None:
+def add_error_handlers(app: FastAPI, unauthorized: Callable[[Request], Awaitable[Optional[ApiError]]]) -> None:
     """Answer every error as JSON in OpenAI's shape: ours, FastAPI's validation, Starlette's 404 / 405, crashes.
 
     ``unauthorized`` gives the 401 for a request that lacks the API key on a guarded route (``auth.unauthorized``):
@@ -57,7 +57,7 @@ def add_error_handlers(app: FastAPI, unauthorized: Callable[[Request], Optional[
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        refused = unauthorized(request)  # a request without the key learns nothing of what its body lacks
+        refused = await unauthorized(request)  # a request without the key learns nothing of what its body lacks
         if refused is not None:
             return refused.response()
         problems = []
@@ -75,7 +75,7 @@ def add_error_handlers(app: FastAPI, unauthorized: Callable[[Request], Optional[
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == UNPARSABLE_BODY:  # not UTF-8, nested too deep, another charset
-            refused = unauthorized(request)
+            refused = await unauthorized(request)
             if refused is not None:
                 return refused.response()
             return ApiError(422, "invalid_request", "body: not readable as JSON (send UTF-8 JSON)").response()
