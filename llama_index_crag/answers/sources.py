@@ -20,5 +20,5 @@ def source_name(node: NodeWithScore) -> str:
 def shown(value: Any) -> str:
     """A metadata value as a reader sees it: a database may give a number, a list of authors or nothing."""
     if isinstance(value, (list, tuple)):
-        return ", ".join(shown for shown in map(shown, value) if shown)
+        return ", ".join(part for part in map(shown, value) if part)
     return "" if value is None else str(value)

@@ -234,10 +234,10 @@ def run_report(
         if name == "llm-judge":
             keep = {b.question.qid for b in batches[:judge_limit]}
             subset = [b for b in batches if b.question.qid in keep]
-        calibrated = calibration_data is not None and calibration_data.get("scorer") == scorer.name
+        fitted = calibration_data if calibration_data and calibration_data.get("scorer") == scorer.name else None
         try:
-            if calibrated and calibration_data is not None:
-                outcome = with_calibration(scorer, subset, calibration_data, progress, strips)
+            if fitted is not None:
+                outcome = with_calibration(scorer, subset, fitted, progress, strips)
             else:
                 outcome = cross_validate(scorer, subset, folds=folds, targets=targets, progress=progress, strips=strips)
         except DatasetError as exc:
@@ -250,7 +250,7 @@ def run_report(
         result = figures(outcome)
         result["strips"] = outcome.strips
         result["default"] = name == "default"
-        result["protocol"] = "calibration file, held-out rows" if calibrated else f"{folds}-fold cross-validation"
+        result["protocol"] = "calibration file, held-out rows" if fitted else f"{folds}-fold cross-validation"
         outcomes.append(outcome)
         results.append(result)
     against_default(results)
