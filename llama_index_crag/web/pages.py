@@ -314,11 +314,11 @@ def decode(body: bytes, content_type: str = "") -> Optional[str]:
     from charset_normalizer import from_bytes
 
     page_declared = EncodingDetector.find_declared_encoding(body, is_html=True)
-    for encoding in [page_declared] if page_declared else []:
+    if page_declared:
         try:
-            return _text_or_none(body.decode(encoding))
+            return _text_or_none(body.decode(page_declared))
         except (LookupError, UnicodeDecodeError):
-            continue
+            pass
     matches = from_bytes(body)
     if not matches:
         return None
