@@ -13,6 +13,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever
 from llama_index_crag.deadline import step_deadline
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers import UpstreamScoreScorer
 
 from .conftest import ALPHA, BETA, GAMMA, MarkerScorer, ScriptedLLM, make_engine
@@ -150,6 +151,40 @@ def test_the_rewrite_and_quoting_prompts_are_prompt_modules_of_the_engine(script
     engine.update_prompts({"quoting:text_qa_template": PromptTemplate("MINE {context_str} / {query_str}")})
     quoting = engine._quoting_synthesizer().get_prompts()["text_qa_template"]
     assert quoting.get_template().startswith("MINE"), "the web-source synthesizer uses the updated template"
+
+
+def test_a_query_str_rewrite_template_reaches_the_llm_with_the_query_filled_in(scripted_llm: ScriptedLLM) -> None:
+    sent: List[str] = []
+
+    def rewrite(prompt: str) -> str:
+        sent.append(prompt)
+        return '{"query": "alpha project budget"}'
+
+    scripted_llm.rewrite = rewrite
+    engine = make_engine(MarkerScorer({"alpha project budget for 2024": 0.9}), scripted_llm, primary=[BETA])
+    engine.update_prompts(
+        {"rewrite:rewrite_prompt": PromptTemplate("You rewrite search queries. Reword for search: {query_str}")}
+    )
+    trace = crag(engine.query("How much money does project A get?"))
+    assert trace["rewrite_source"] == "llm" and trace["rewritten_query"] == "alpha project budget"
+    [prompt] = sent
+    assert "Reword for search: How much money does project A get?" in prompt
+    assert "{query_str}" not in prompt
+
+
+@pytest.mark.parametrize(
+    ("template", "named"),
+    [("Reword for search: {question}", "{question}"), ("Reword {query_str} in {language}", "{language}")],
+)
+def test_a_rewrite_template_the_rewrite_cannot_fill_is_refused_when_set(
+    scripted_llm: ScriptedLLM, template: str, named: str
+) -> None:
+    engine = make_engine(MarkerScorer({}), scripted_llm)
+    before = engine.get_prompts()["rewrite:rewrite_prompt"]
+    with pytest.raises(ConfigError, match=r"needs \{query_str\} or \{query\}") as raised:
+        engine.update_prompts({"rewrite:rewrite_prompt": PromptTemplate(template)})
+    assert named in str(raised.value)
+    assert engine.get_prompts()["rewrite:rewrite_prompt"].get_template() == before.get_template()
 
 
 def _assert_abstained(response: Any, reason: str, llm: ScriptedLLM) -> None:

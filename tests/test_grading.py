@@ -9,6 +9,7 @@ from typing import Any, List
 
 import numpy as np
 import pytest
+from llama_index.core.prompts import PromptTemplate
 
 from llama_index_crag.calibration.fit import (
     fit_strip_threshold,
@@ -19,10 +20,12 @@ from llama_index_crag.calibration.fit import (
 )
 from llama_index_crag.cli import main
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers import EvidenceScorer, LLMJudgeScorer
 from llama_index_crag.scorers.evidence import FEATURES, terms
+from llama_index_crag.scorers.llm_judge import JUDGE_PROMPT
 
-from .conftest import ALPHA, BETA, GAMMA, ScriptedLLM, assert_engine_loads_calibration
+from .conftest import ALPHA, BETA, GAMMA, ScriptedLLM, assert_engine_loads_calibration, make_engine
 
 
 def test_thresholds_meet_their_targets_on_the_rows_they_were_fitted_on() -> None:
@@ -280,6 +283,25 @@ def test_llm_judge_reads_verdicts_from_prose_when_json_fails() -> None:
             return "Sure! Passage 1: Yes. Passage 2: no"
 
     assert LLMJudgeScorer(Chatty()).score_texts("q", ["a", "b"]) == [1.0, 0.0]
+
+
+def test_the_judge_prompt_is_a_prompt_of_the_scorer_and_of_an_engine_grading_with_it() -> None:
+    sent: List[str] = []
+
+    class Judge(ScriptedLLM):
+        def _text(self, prompt: str) -> str:
+            sent.append(prompt)
+            return '{"relevant": ["yes"]}'
+
+    scorer = LLMJudgeScorer(Judge())
+    assert scorer.get_prompts()["judge_prompt"].get_template() == JUDGE_PROMPT.get_template()
+    engine = make_engine(scorer, ScriptedLLM(), primary=[ALPHA])
+    assert engine.get_prompts()["scorer:judge_prompt"].get_template() == JUDGE_PROMPT.get_template()
+    engine.update_prompts({"scorer:judge_prompt": PromptTemplate("MY JUDGE {query_str} over {context_str}")})
+    assert engine.query("What is the alpha project budget?").metadata["crag"]["action"] == "correct"
+    assert sent[0].startswith("MY JUDGE What is the alpha project budget? over [1] The alpha project budget")
+    with pytest.raises(ConfigError, match=r"\{context_str\}"):
+        scorer.update_prompts({"judge_prompt": PromptTemplate("Is it relevant to {query_str}?")})
 
 
 def test_llm_judge_on_a_local_model_file_is_named_by_the_file_not_the_machine_path() -> None:

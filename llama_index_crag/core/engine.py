@@ -14,7 +14,7 @@ from llama_index.core.base.response.schema import (
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.prompts.mixin import PromptMixinType
+from llama_index.core.prompts.mixin import PromptMixin, PromptMixinType
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
@@ -179,10 +179,13 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
         return self._retriever
 
     def _get_prompt_modules(self) -> PromptMixinType:
-        """The synthesizer's templates, the quoting templates for web sources, and the rewrite prompt."""
+        """The synthesizer's templates, the quoting templates for web sources, the rewrite prompt, and the
+        scorer's prompts where it has any (the LLM judge's)."""
         modules: PromptMixinType = {"response_synthesizer": self._synthesizer, "quoting": self._quoting_prompts}
         if self._rewriter is not None:
             modules["rewrite"] = self._rewriter
+        if isinstance(self._grader.scorer, PromptMixin):
+            modules["scorer"] = self._grader.scorer
         return modules
 
     @dispatcher.span

@@ -11,14 +11,17 @@ from llama_index_crag.errors import RewriteError
 from llama_index_crag.local.models import describe_llm
 from llama_index_crag.scorers.evidence import terms
 from llama_index_crag.stores.chunking import clean_text
+from llama_index_crag.templates import checked_template
 
 DEFAULT_REWRITE_PROMPT = PromptTemplate(
     "You rewrite search queries so that a document search finds the passages that answer them.\n"
     "Expand abbreviations, add the full names of the people, products and organisations the query "
     "refers to, keep its meaning and its language. Do not answer the question.\n"
     'Reply with JSON only, in the form {{"query": "..."}}.\n'
-    "Query: {query}\n"
+    "Query: {query_str}\n"
 )
+#: The variables a rewrite template may use for the query: LlamaIndex's name, and the one this prompt had before.
+QUERY_VARIABLES = ("query_str", "query")
 
 
 class RewrittenQuery(BaseModel):
@@ -37,13 +40,17 @@ class QueryRewriter(PromptMixin):
 
     Args:
         llm: The LLM to rewrite with (the engine's generator by default).
-        prompt: A template with a ``{query}`` variable; a prompt module of the engine
-            (``engine.get_prompts()["rewrite:rewrite_prompt"]``, changed with ``update_prompts``).
+        prompt: A template with a ``{query_str}`` variable (``{query}`` is also read); a prompt
+            module of the engine (``engine.get_prompts()["rewrite:rewrite_prompt"]``, changed with
+            ``update_prompts``, which checks the new template's variables).
+
+    Raises:
+        ConfigError: The template has no query variable, or needs one the rewrite cannot fill.
     """
 
     def __init__(self, llm: LLM, prompt: BasePromptTemplate = DEFAULT_REWRITE_PROMPT) -> None:
         self.llm = llm
-        self.prompt = prompt
+        self.prompt = _checked_prompt(prompt)
 
     def _get_prompts(self) -> PromptDictType:
         return {"rewrite_prompt": self.prompt}
@@ -53,12 +60,12 @@ class QueryRewriter(PromptMixin):
 
     def _update_prompts(self, prompts_dict: PromptDictType) -> None:
         if "rewrite_prompt" in prompts_dict:
-            self.prompt = prompts_dict["rewrite_prompt"]
+            self.prompt = _checked_prompt(prompts_dict["rewrite_prompt"])
 
     def rewrite(self, query: str) -> str:
         """Return the rewritten query or raise ``RewriteError``."""
         try:
-            result = self.llm.structured_predict(RewrittenQuery, self.prompt, query=query)
+            result = self.llm.structured_predict(RewrittenQuery, self.prompt, query_str=query, query=query)
         except Exception as exc:
             raise self._failure(exc) from exc
         return _checked(query, result)
@@ -66,7 +73,7 @@ class QueryRewriter(PromptMixin):
     async def arewrite(self, query: str) -> str:
         """Async ``rewrite``: awaits the LLM."""
         try:
-            result = await self.llm.astructured_predict(RewrittenQuery, self.prompt, query=query)
+            result = await self.llm.astructured_predict(RewrittenQuery, self.prompt, query_str=query, query=query)
         except Exception as exc:
             raise self._failure(exc) from exc
         return _checked(query, result)
@@ -75,6 +82,10 @@ class QueryRewriter(PromptMixin):
         if isinstance(exc, ValueError):  # the output parser's and pydantic's errors
             return RewriteError(f"the rewrite was not valid JSON for the schema: {exc}")
         return RewriteError(f"the rewrite call to {describe_llm(self.llm)} failed: {type(exc).__name__}: {exc}")
+
+
+def _checked_prompt(prompt: BasePromptTemplate) -> BasePromptTemplate:
+    return checked_template(prompt, "the rewrite prompt", QUERY_VARIABLES, [QUERY_VARIABLES])
 
 
 def _checked(query: str, result: object) -> str:
