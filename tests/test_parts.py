@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Dict, List
 
 import pytest
 from llama_index.core import VectorStoreIndex
@@ -14,14 +14,14 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from llama_index_crag import FallbackRetriever, RelevanceGrader, StripRefiner, Verdict
+from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever, RelevanceGrader, StripRefiner, Verdict
 from llama_index_crag.core.refiner import decompose
 from llama_index_crag.core.settings import CragSettings, WebSearchSettings
 from llama_index_crag.errors import ConfigError
-from llama_index_crag.scorers import BiEncoderScorer, UpstreamScoreScorer
+from llama_index_crag.scorers import BiEncoderScorer, EvidenceScorer, UpstreamScoreScorer
 from llama_index_crag.stores.chunking import split_sentences
 
-from .conftest import ALPHA, BETA, CORPUS, GAMMA, MarkerScorer, ScriptedLLM
+from .conftest import ALPHA, BETA, CORPUS, GAMMA, MarkerScorer, ScriptedLLM, make_engine
 
 
 def nws(*nodes: TextNode) -> List[NodeWithScore]:
@@ -58,6 +58,54 @@ def test_empty_passages_score_zero_without_a_model_call() -> None:
         QueryBundle("q"), nws(TextNode(text=""), TextNode(text="   "))
     )
     assert grading.scores == [0.0, 0.0] and scorer.calls == 0
+
+
+def test_grader_and_refiner_take_the_scorers_own_thresholds_when_none_are_given() -> None:
+    shipped = EvidenceScorer.DEFAULT_THRESHOLDS
+    grader = RelevanceGrader(EvidenceScorer())
+    assert (grader.upper, grader.lower) == (shipped["upper"], shipped["lower"])
+    assert RelevanceGrader(EvidenceScorer(), upper=0.9).upper == 0.9
+    assert StripRefiner(EvidenceScorer()).threshold == shipped["strip_threshold"]
+    scorer = BiEncoderScorer()
+    assert StripRefiner(scorer).threshold == scorer.BUNDLED_THRESHOLDS["lower"], "no strip threshold: lower"
+
+
+def test_a_scorer_that_ships_no_thresholds_needs_them_given() -> None:
+    with pytest.raises(ConfigError, match=r"RelevanceGrader needs upper=: the scorer marker-scorer ships no"):
+        RelevanceGrader(MarkerScorer({}))
+    with pytest.raises(ConfigError, match=r"RelevanceGrader needs lower=.*llama-crag calibrate"):
+        RelevanceGrader(MarkerScorer({}), upper=0.7)
+    with pytest.raises(ConfigError, match=r"StripRefiner needs strip_threshold="):
+        StripRefiner(MarkerScorer({}))
+
+
+def test_a_grader_from_the_index_grades_a_passage_as_the_engine_over_that_index_does(sample_index: Any) -> None:
+    question = QueryBundle("Who is the CEO of Harbor Analytics?")
+    nodes = list(sample_index.docstore.docs.values())[:1]
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index, llm=ScriptedLLM(), fallback_sources=("bm25",))
+    in_engine = engine.grader.grade(question, nws(*nodes)).scores
+    assert RelevanceGrader.from_index(sample_index).grade(question, nws(*nodes)).scores == in_engine
+    assert RelevanceGrader(EvidenceScorer()).grade(question, nws(*nodes)).scores != in_engine, "IDF matters"
+    refiner = StripRefiner.from_nodes(list(sample_index.docstore.docs.values()), scorer=EvidenceScorer())
+    assert refiner.scorer.corpus_stats()["idf"] == engine.grader.scorer.corpus_stats()["idf"]  # type: ignore[attr-defined]
+
+
+def test_an_engine_built_by_hand_refuses_parts_that_disagree_with_its_settings(scripted_llm: ScriptedLLM) -> None:
+    engine = make_engine(MarkerScorer({}), scripted_llm)
+    parts: Dict[str, Any] = {
+        "retriever": engine.retriever,
+        "grader": engine.grader,
+        "refiner": engine.refiner,
+        "fallback": engine.fallback,
+        "rewriter": None,
+        "response_synthesizer": engine.synthesizer,
+        "settings": engine.settings,
+    }
+    assert CorrectiveQueryEngine(**parts).grader is engine.grader
+    with pytest.raises(ConfigError, match=r"disagree \(upper=0.7 but 0.5; lower=0.3 but 0.2 in the part\)"):
+        CorrectiveQueryEngine(**{**parts, "grader": RelevanceGrader(engine.grader.scorer, upper=0.5, lower=0.2)})
+    with pytest.raises(ConfigError, match=r"strip_threshold=0.3 but 0.6"):
+        CorrectiveQueryEngine(**{**parts, "refiner": StripRefiner(engine.grader.scorer, threshold=0.6)})
 
 
 def test_grader_in_a_stock_query_engine_drops_irrelevant_nodes_and_emits_an_event(embed_model: Any) -> None:

@@ -93,6 +93,7 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
         node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
         callback_manager: Optional[CallbackManager] = None,
     ) -> None:
+        settings.check_parts(grader, refiner)  # one set of thresholds: the parts grade, the settings are read
         self._retriever = retriever
         self._grader = grader
         self._refiner = refiner

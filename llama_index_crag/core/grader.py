@@ -9,11 +9,15 @@ from typing import Any, Dict, List, Literal, Optional, Sequence
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.indices.base import BaseIndex
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
 from llama_index_crag.core.trace import CragGradeEvent
 from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.scorers.registry import default_scorer
 
 dispatcher = get_dispatcher(__name__)
 
@@ -35,6 +39,19 @@ def band(score: float, upper: float, lower: float) -> Verdict:
     if score >= lower:
         return Verdict.AMBIGUOUS
     return Verdict.INCORRECT
+
+
+def scorer_over(
+    nodes: Sequence[BaseNode], scorer: Optional[RelevanceScorer] = None, embed_model: Optional[BaseEmbedding] = None
+) -> RelevanceScorer:
+    """``scorer`` (the default one when None, as ``from_defaults`` chooses it) with the word statistics of the
+    corpus ``nodes`` make, so that a passage grades alone as it does in an engine over the same nodes."""
+    corpus = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes]
+    if scorer is None:
+        return default_scorer(embed_model, corpus or None)
+    if isinstance(scorer, EvidenceScorer) and corpus:
+        scorer.fit_corpus(corpus)
+    return scorer
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,10 @@ class RelevanceGrader(BaseNodePostprocessor):
     Aggregation turns per-node scores into the batch score compared with the bands:
     ``max`` (the best candidate decides), ``mean``, or ``count`` (the
     ``min_relevant``-th best score: at least that many candidates must clear a band).
+
+    ``upper`` and ``lower`` default to the scorer's own (``default_thresholds``, fitted
+    for its scale); a scorer that ships none needs them given. ``from_nodes`` and
+    ``from_index`` also give the scorer the corpus's word statistics.
     """
 
     upper: float = Field(description="Batch score at or above which retrieval is CORRECT.")
@@ -79,13 +100,15 @@ class RelevanceGrader(BaseNodePostprocessor):
     def __init__(
         self,
         scorer: RelevanceScorer,
-        upper: float,
-        lower: float,
+        upper: Optional[float] = None,
+        lower: Optional[float] = None,
         aggregation: Aggregation = "max",
         min_relevant: int = 2,
         explain: bool = False,
         **kwargs: Any,
     ) -> None:
+        upper = scorer.shipped_threshold("upper", "RelevanceGrader") if upper is None else upper
+        lower = scorer.shipped_threshold("lower", "RelevanceGrader") if lower is None else lower
         if not 0.0 <= lower <= upper <= 1.0:
             raise ValueError(f"thresholds must satisfy 0 <= lower <= upper <= 1, got lower={lower}, upper={upper}")
         super().__init__(
@@ -96,6 +119,29 @@ class RelevanceGrader(BaseNodePostprocessor):
     @classmethod
     def class_name(cls) -> str:
         return "RelevanceGrader"
+
+    @classmethod
+    def from_nodes(
+        cls,
+        nodes: Sequence[BaseNode],
+        scorer: Optional[RelevanceScorer] = None,
+        embed_model: Optional[BaseEmbedding] = None,
+        **kwargs: Any,
+    ) -> RelevanceGrader:
+        """A grader whose scorer (the default one when None) knows the word statistics of ``nodes``.
+
+        Args:
+            nodes: The corpus the retriever searches.
+            scorer: The scorer; an evidence-feature scorer learns its IDF weights from ``nodes``.
+            embed_model: The embedding model of the default scorer.
+            **kwargs: The grader's other arguments (``upper``, ``lower``, ``aggregation`` ...).
+        """
+        return cls(scorer_over(nodes, scorer, embed_model), **kwargs)
+
+    @classmethod
+    def from_index(cls, index: BaseIndex, **kwargs: Any) -> RelevanceGrader:
+        """``from_nodes`` over the nodes of ``index``'s docstore (``kwargs`` as ``from_nodes`` takes them)."""
+        return cls.from_nodes(list(index.docstore.docs.values()), **kwargs)
 
     @property
     def scorer(self) -> RelevanceScorer:

@@ -8,10 +8,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
+from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.indices.base import BaseIndex
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.schema import NodeRelationship, NodeWithScore, QueryBundle, TextNode
+from llama_index.core.schema import BaseNode, NodeRelationship, NodeWithScore, QueryBundle, TextNode
 
+from llama_index_crag.core.grader import scorer_over
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.evidence import terms
 from llama_index_crag.stores.chunking import split_sentences
@@ -191,19 +194,54 @@ class StripRefiner(BaseNodePostprocessor):
     ``threshold`` are kept, and each node's kept strips are joined in their original
     order into a new node that points back to its source. If no strip survives, the
     original nodes are returned unchanged: the original ranking beats nothing.
+
+    ``threshold`` defaults to the scorer's own strip threshold (``default_thresholds``);
+    ``from_nodes`` and ``from_index`` also give the scorer the corpus's word statistics.
     """
 
     threshold: float = Field(ge=0.0, le=1.0, description="Strips scoring at least this are kept.")
     strip_min_tokens: int = Field(default=8, ge=1, description="Shortest strip in words; shorter sentences are merged.")
     _scorer: RelevanceScorer = PrivateAttr()
 
-    def __init__(self, scorer: RelevanceScorer, threshold: float, strip_min_tokens: int = 8, **kwargs: Any) -> None:
+    def __init__(
+        self, scorer: RelevanceScorer, threshold: Optional[float] = None, strip_min_tokens: int = 8, **kwargs: Any
+    ) -> None:
+        if threshold is None:
+            threshold = scorer.shipped_threshold("strip_threshold", "StripRefiner")
         super().__init__(threshold=threshold, strip_min_tokens=strip_min_tokens, **kwargs)
         self._scorer = scorer
 
     @classmethod
     def class_name(cls) -> str:
         return "StripRefiner"
+
+    @property
+    def scorer(self) -> RelevanceScorer:
+        """The scorer the strips are graded with (the grader's, in the engine)."""
+        return self._scorer
+
+    @classmethod
+    def from_nodes(
+        cls,
+        nodes: Sequence[BaseNode],
+        scorer: Optional[RelevanceScorer] = None,
+        embed_model: Optional[BaseEmbedding] = None,
+        **kwargs: Any,
+    ) -> StripRefiner:
+        """A refiner whose scorer (the default one when None) knows the word statistics of ``nodes``.
+
+        Args:
+            nodes: The corpus the retriever searches.
+            scorer: The scorer; an evidence-feature scorer learns its IDF weights from ``nodes``.
+            embed_model: The embedding model of the default scorer.
+            **kwargs: The refiner's other arguments (``threshold``, ``strip_min_tokens``).
+        """
+        return cls(scorer_over(nodes, scorer, embed_model), **kwargs)
+
+    @classmethod
+    def from_index(cls, index: BaseIndex, **kwargs: Any) -> StripRefiner:
+        """``from_nodes`` over the nodes of ``index``'s docstore (``kwargs`` as ``from_nodes`` takes them)."""
+        return cls.from_nodes(list(index.docstore.docs.values()), **kwargs)
 
     def refine(self, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]) -> Refinement:
         """Decompose, re-score and recompose ``nodes`` for ``query_bundle``."""

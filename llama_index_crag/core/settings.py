@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Literal, Mapping, Optional, Tuple, Union, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Literal, Mapping, Optional, Tuple, Union, get_args
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -22,6 +22,10 @@ from llama_index_crag.core.settings_sources import (
     reading,
 )
 from llama_index_crag.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llama_index_crag.core.grader import RelevanceGrader
+    from llama_index_crag.core.refiner import StripRefiner
 
 #: The answer step's choices (``CragSettings.answer_mode`` and ``on_ungrounded``), named once for every caller.
 AnswerMode = Literal["extract", "generate"]
@@ -154,6 +158,32 @@ class CragSettings(OwnSources):
         if self.lower > self.upper:
             raise ValueError(f"CRAG thresholds need lower <= upper, got lower={self.lower}, upper={self.upper}")
         return self
+
+    def check_parts(self, grader: RelevanceGrader, refiner: StripRefiner) -> None:
+        """Refuse a grader or refiner that holds another value than these settings for one of their fields.
+
+        An engine built by hand is given its thresholds twice, in its parts and in its
+        settings; the parts grade and the settings are what a reader of the engine sees,
+        so they must be one set of values.
+
+        Raises:
+            ConfigError: naming each field whose values differ.
+        """
+        pairs = {
+            "upper": (self.upper, grader.upper),
+            "lower": (self.lower, grader.lower),
+            "aggregation": (self.aggregation, grader.aggregation),
+            "min_relevant": (self.min_relevant, grader.min_relevant),
+            "explain": (self.explain, grader.explain),
+            "strip_threshold": (self.lower if self.strip_threshold is None else self.strip_threshold, refiner.threshold),
+            "strip_min_tokens": (self.strip_min_tokens, refiner.strip_min_tokens),
+        }
+        differ = [f"{name}={mine!r} but {theirs!r}" for name, (mine, theirs) in pairs.items() if mine != theirs]
+        if differ:
+            raise ConfigError(
+                f"the engine's settings and its grader or refiner disagree ({'; '.join(differ)} in the part): build "
+                "the parts from the same values, or let CorrectiveQueryEngine.from_defaults build them"
+            )
 
     @classmethod
     def own_sources(

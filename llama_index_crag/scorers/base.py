@@ -47,6 +47,19 @@ class RelevanceScorer(ABC):
     #: grading does not embed the same texts again (``scorers.bi_encoder.reuse_retrieval_embeddings``).
     bi_encoder: Optional[Any] = None
 
+    def shipped_threshold(self, name: str, part: str) -> float:
+        """The threshold ``name`` from ``default_thresholds`` (``strip_threshold`` falls back to ``lower``, as the
+        engine's settings do), for a ``part`` ("RelevanceGrader") given none; a ``ConfigError`` when it ships none.
+        """
+        shipped = self.default_thresholds or {}
+        value = shipped.get(name, shipped.get("lower")) if name == "strip_threshold" else shipped.get(name)
+        if value is None:
+            raise ConfigError(
+                f"{part} needs {name}=: the scorer {self.name} ships no thresholds for its scale; fit them on "
+                "your data (llama-crag calibrate) and pass them"
+            )
+        return float(value)
+
     def state(self) -> Optional[Dict[str, Any]]:
         """What calibration fitted inside the scorer (weights), JSON-ready; ``None`` when nothing is fitted."""
         return None
