@@ -1,12 +1,13 @@
 """Argument types of ``llama-crag``: a count, a port or a time that cannot be used is refused by argparse, in one
 line, before any model loads (``--limit -1`` would otherwise slice from the end, ``--query-timeout 0`` cut off
-every query)."""
+every query); and its parsers, whose help shows every default."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+import sys
+from typing import Any, Callable, Optional, Sequence, Union
 
 from llama_index_crag.core.settings import MAX_TIMEOUT_S
 
@@ -68,3 +69,43 @@ def http_url(text: str) -> str:
 
 
 http_url.__name__ = "an http(s) URL"
+
+
+class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that ends each option with ``(default: ...)`` where it has a default to show: not for a flag, a
+    repeatable option or one whose default is worked out when the command runs (None: its help says how)."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        default = action.default
+        if default is None or isinstance(default, bool) or default in ("", []):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """``llama-crag``'s parser and, through ``add_subparsers``, every command's: help shows the defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+
+class RenamedOption(argparse.Action):
+    """An option's former name: still read, into the new one's ``dest``, with a warning that names the new one.
+
+    Add it after the new option, with ``help=argparse.SUPPRESS`` so that ``--help`` shows only the new name.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, renamed_to: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.renamed_to = renamed_to
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Union[str, Sequence[Any], None],
+        option_string: Optional[str] = None,
+    ) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated: use {self.renamed_to}", file=sys.stderr)
+        setattr(namespace, self.dest, values)

@@ -22,6 +22,7 @@ from llama_index_crag.local.portable import (
     NON_PORTABLE_FEATURES,
     OK,
     PORTABLE_CMAKE_ARGS,
+    WARN,
     GeneratorUnavailable,
     check_generation,
     llama_cpp_features,
@@ -74,6 +75,16 @@ def test_a_generator_that_dies_with_sigill_is_named_with_the_portable_rebuild(tm
 def test_a_generator_that_hangs_fails_within_its_timeout(tmp_path: Path) -> None:
     check = check_generation(python=_fake_python(tmp_path, "sleep 30"), timeout_s=1)
     assert check.status == FAIL and "within 1 s" in check.detail
+
+
+@pytest.mark.parametrize(("generate_s", "status"), [(32.0, WARN), (0.5, OK)])
+def test_a_generator_slower_than_a_person_reads_is_a_warning(tmp_path: Path, generate_s: float, status: str) -> None:
+    figures = json.dumps({"load_s": 0.5, "generate_s": generate_s, "tokens": 32})
+    check = check_generation(tmp_path / "model.gguf", python=_fake_python(tmp_path, f"echo '{figures}'"))
+    assert check.status == status, check
+    assert f"generates {32 / generate_s:.0f} tokens/s" in check.detail
+    assert ("slower than a person reads" in check.detail) is (status == WARN)
+    assert check.ok, "a slow generator still works: a warning, not a failure"
 
 
 def test_a_file_that_is_not_a_model_fails_the_check_and_default_llm(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import sys
 from contextlib import nullcontext
 from typing import ContextManager, Optional, Sequence
 
+from llama_index_crag.arguments import CommandParser
 from llama_index_crag.cli import demo, grading, store
 from llama_index_crag.errors import CragError
 from llama_index_crag.evaluation.command import add_eval_parser
@@ -14,8 +15,8 @@ from llama_index_crag.local.cores import torch_on_usable_cores
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``llama-crag``."""
-    parser = argparse.ArgumentParser(prog="llama-crag", description="Corrective RAG for LlamaIndex.")
+    """The argument parser of ``llama-crag`` (every command's help shows its options' defaults)."""
+    parser = CommandParser(prog="llama-crag", description="Corrective RAG for LlamaIndex.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo.add_parsers(commands)
     grading.add_parsers(commands)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from llama_index_crag.arguments import LOG_LEVELS, http_url, port, positive_int, seconds
+from llama_index_crag.arguments import LOG_LEVELS, RenamedOption, http_url, port, positive_int, seconds
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 
@@ -47,7 +47,7 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument("--index", default="", help="index folder written by llama-crag ingest")
     serve.add_argument("--store", default=None, metavar="URL", help="serve a PostgreSQL store instead (ingest --store)")
     serve.add_argument("--table", default="crag", help="the store's name in PostgreSQL (with --store)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (the default answers this machine only)")
     serve.add_argument("--port", type=port, default=8000, help="port to bind")
     serve.add_argument("--workers", type=positive_int, default=1, help="worker processes over the same index folder")
     serve.add_argument(
@@ -62,9 +62,10 @@ def add_parsers(commands: Any) -> None:
         default="auto",
         help="auto: Ollama if it answers, else the bundled GGUF in llama.cpp; none: retrieval and grading only",
     )
-    serve.add_argument("--model", default=None, help=f"Ollama model (default {DEFAULT_OLLAMA_MODEL})")
+    serve.add_argument("--ollama-url", type=http_url, default=DEFAULT_OLLAMA_URL, help="Ollama server to use")
+    serve.add_argument("--ollama-model", default=DEFAULT_OLLAMA_MODEL, help="Ollama model to use")
     serve.add_argument(
-        "--ollama-url", type=http_url, default=None, help=f"Ollama server (default {DEFAULT_OLLAMA_URL})"
+        "--model", dest="ollama_model", action=RenamedOption, renamed_to="--ollama-model", help=argparse.SUPPRESS
     )
     serve.add_argument("--gguf", default=None, help="a GGUF file for --llm llamacpp instead of the bundled SmolLM2")
     serve.add_argument("--disable-crag", action="store_true", help="plain retrieve-then-generate, for comparison")
@@ -128,7 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
             workers=args.workers,
             threads=args.threads,
             llm=args.llm,
-            model=args.model,
+            model=args.ollama_model,
             ollama_url=args.ollama_url,
             gguf=args.gguf,
             disable_crag=args.disable_crag,

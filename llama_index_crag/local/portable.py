@@ -32,6 +32,9 @@ PORTABLE_INSTALL = (
 NON_PORTABLE_FEATURES = ("AVX512", "AMX", "AVX_VNNI")
 
 OK, WARN, FAIL = "ok", "warn", "fail"
+#: The slowest generation the check passes as usable: a person reads about 250 words a minute, about 5 tokens a
+#: second; a generator slower than that makes every generated answer a wait (the answers that quote do not).
+READING_TOKENS_PER_S = 5.0
 
 # Run in a fresh interpreter: only llama_cpp is imported, so nothing but llama.cpp itself can fail here.
 _PROBE = r"""
@@ -91,13 +94,21 @@ def check_generation(
     if done.returncode == 0:
         figures = json.loads(done.stdout.strip().splitlines()[-1])
         rate = figures["tokens"] / max(figures["generate_s"], 1e-9)
-        return Check(
-            "generator (llama.cpp)",
-            OK,
+        detail = (
             f"{path.name} loads in {figures['load_s']:.1f} s and generates {rate:.0f} tokens/s "
-            f"on {n_threads} thread{'' if n_threads == 1 else 's'}",
-            seconds,
+            f"on {n_threads} thread{'' if n_threads == 1 else 's'}"
         )
+        if rate < READING_TOKENS_PER_S:
+            return Check(
+                "generator (llama.cpp)",
+                WARN,
+                f"{detail}, slower than a person reads ({READING_TOKENS_PER_S:g} tokens/s): a generated answer "
+                "keeps its reader waiting",
+                seconds,
+                "give it more cores or an idle machine, use an Ollama server on faster hardware (--ollama-url), "
+                "or answer by quoting the graded passages instead (demo without --generate, serve --llm none)",
+            )
+        return Check("generator (llama.cpp)", OK, detail, seconds)
     if done.returncode == -signal.SIGILL or "Illegal instruction" in done.stderr:
         return Check(
             "generator (llama.cpp)",
