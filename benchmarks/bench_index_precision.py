@@ -23,9 +23,9 @@ import numpy as np
 
 from benchmarks.bench_postgres import bench_server, grow, results_head, scifact_store
 from llama_index_crag.datasets import load_documents
-from llama_index_crag.scorers.evidence import terms
 from llama_index_crag.stores.chunking import chunk
 from llama_index_crag.stores.postgres import PRECISIONS, PostgresStore
+from llama_index_crag.text.split import terms
 
 EF_SEARCH = (40, 100)
 

@@ -43,9 +43,9 @@ from llama_index_crag.evaluation.dataset import load_eval_questions
 from llama_index_crag.evaluation.metrics import pipeline_ms
 from llama_index_crag.local.embedding_cache import corpus_cache
 from llama_index_crag.local.models import default_embed_model
-from llama_index_crag.scorers.evidence import terms
 from llama_index_crag.stores.chunking import chunk
 from llama_index_crag.stores.postgres import PostgresStore, engine_from_store, ingest
+from llama_index_crag.text.split import terms
 
 DIM = 384
 

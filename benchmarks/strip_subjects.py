@@ -1,5 +1,5 @@
 """How a strip that refers back ("It spans 312 metres ...") is best read: alone, after the whole strip before it,
-or with its subject (the names in the strip before it, or the title, ``core.refiner.subject_of``).
+or with its subject (the names in the strip before it, or the title, ``text.strips.subject_of``).
 
 Measured on human labels: the SQuAD 2.0 rows of ``datasets/train`` (the half of SQuAD 2.0 dev that no
 evaluation set uses), where each question has the sentence that holds its annotated answer and sentences of the
@@ -23,8 +23,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from sklearn.metrics import roc_auc_score
 
-from llama_index_crag.core.refiner import Strip, decompose, refers_back, subject_of
 from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.text.strips import Strip, decompose, refers_back, subject_of
 
 
 def _back(strip: Strip) -> bool:

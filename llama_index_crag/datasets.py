@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from llama_index.core.schema import Document
 
 from llama_index_crag.errors import DatasetError
-from llama_index_crag.stores.chunking import clean_text
+from llama_index_crag.text.cleaning import clean_text
 
 SAMPLE_DIR = Path(__file__).parent / "data"
 

@@ -30,7 +30,9 @@ def checked_template(template: Template, what: str, fills: Sequence[str], needs:
             uses one the caller does not fill.
     """
     if not isinstance(template, BasePromptTemplate):
-        raise ConfigError(f"{what} must be a LlamaIndex prompt template (PromptTemplate), not {type(template).__name__}")
+        raise ConfigError(
+            f"{what} must be a LlamaIndex prompt template (PromptTemplate), not {type(template).__name__}"
+        )
     renamed = template.template_var_mappings or {}
     given = [*fills, *template.kwargs, *(template.function_mappings or {})]
     filled: Set[str] = {renamed.get(name, name) for name in given}

@@ -21,7 +21,7 @@ from llama_index_crag import CorrectiveQueryEngine, GenerationError, InvalidQuer
 from llama_index_crag.cli import main
 from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.errors import ConfigError
-from llama_index_crag.stores.chunking import clean_text
+from llama_index_crag.text.cleaning import clean_text
 
 from .conftest import ALPHA, BETA, FixedRetriever, ScriptedLLM
 

@@ -22,8 +22,9 @@ from llama_index_crag.cli import main
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers import EvidenceScorer, LLMJudgeScorer
-from llama_index_crag.scorers.evidence import FEATURES, terms
+from llama_index_crag.scorers.evidence import FEATURES
 from llama_index_crag.scorers.llm_judge import JUDGE_PROMPT
+from llama_index_crag.text.split import terms
 
 from .conftest import ALPHA, BETA, GAMMA, ScriptedLLM, assert_engine_loads_calibration, make_engine
 

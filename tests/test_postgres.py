@@ -18,7 +18,7 @@ from llama_index.core.schema import MetadataMode, QueryBundle
 from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
 from llama_index_crag.local.embedding_cache import DiskCachedEmbedding
-from llama_index_crag.scorers.evidence import EvidenceScorer, terms
+from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.stores.chunking import chunk
 from llama_index_crag.stores.postgres import (
     PostgresFullTextRetriever,
@@ -29,6 +29,7 @@ from llama_index_crag.stores.postgres import (
     engine_from_store,
     ingest,
 )
+from llama_index_crag.text.split import terms
 from tests.conftest import ScriptedLLM, write_hostile_documents
 from tests.loadtest import ServerProcess, free_port, run_load
 from tests.pg_server import pg_url  # noqa: F401  (the session fixture)

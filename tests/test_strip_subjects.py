@@ -7,9 +7,10 @@ from typing import List, Sequence
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag.answers.extract import EvidenceQuoter
-from llama_index_crag.core.refiner import STRIPS_KEY, StripRefiner, decompose, refers_back
+from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.text.strips import STRIPS_KEY, decompose, refers_back
 
 PAGE = (
     "The Kestrel Bridge in Farrow opened in 1887 after nine years of work. "

@@ -11,10 +11,10 @@ from llama_index.core.schema import NodeWithScore
 
 from llama_index_crag.answers.names import names_what_is_asked
 from llama_index_crag.answers.sources import source_name
-from llama_index_crag.core.refiner import Strip, decompose, kept_strips
 from llama_index_crag.scorers.answer_type import asked_kinds, asks, holds_kind
 from llama_index_crag.scorers.base import RelevanceScorer
-from llama_index_crag.stores.chunking import split_sentences
+from llama_index_crag.text.split import split_sentences
+from llama_index_crag.text.strips import Strip, decompose, kept_strips
 
 #: Figures and codes a question names: years, quarters, versions, regions ("2023", "Q2", "7.2.1", "EU-2").
 _CODES = re.compile(r"[\w-]*\d(?:[\w-]|\.\d)*")

@@ -7,10 +7,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
-from llama_index_crag.core.refiner import decompose
 from llama_index_crag.scorers.base import RelevanceScorer
-from llama_index_crag.scorers.evidence import terms
-from llama_index_crag.stores.chunking import split_sentences
+from llama_index_crag.text.split import split_sentences, terms
+from llama_index_crag.text.strips import decompose
 
 _WORD_NUMBERS = {
     w: str(i)

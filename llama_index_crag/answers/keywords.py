@@ -6,7 +6,7 @@ import re
 from functools import lru_cache
 from typing import Any, List
 
-from llama_index_crag.stores.chunking import clean_text
+from llama_index_crag.text.cleaning import clean_text
 
 #: Words that carry a figure or a code: years, quarters, versions, model numbers ("2023", "Q3", "EU-2", "4.3.1").
 _CODED = re.compile(r"(?<!\S)\S*\d\S*", re.UNICODE)

@@ -7,8 +7,8 @@ import re
 from llama_index.core.schema import NodeWithScore
 from rapidfuzz import fuzz, process
 
-from llama_index_crag.core.refiner import Strip
 from llama_index_crag.scorers.answer_type import asked_kinds
+from llama_index_crag.text.strips import Strip
 
 #: A capitalised word with a lower-case letter: "Singapore", "McKinsey", "Galor"; not "EU-2", "Q3" or "IL-2"
 #: (codes, which ``states_what_is_asked`` reads), not inside a hyphenated word.

@@ -284,7 +284,7 @@ class StripSet:
 
 def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: int) -> StripSet:
     """The strips ``StripRefiner`` would cut from each in-corpus batch's gold passages, labelled."""
-    from llama_index_crag.core.refiner import decompose
+    from llama_index_crag.text.strips import decompose
 
     rows = {str(r["doc_id"]): r for r in read_jsonl(Path(folder) / "corpus.jsonl")}
     found = StripSet()

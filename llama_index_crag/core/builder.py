@@ -30,7 +30,7 @@ from llama_index_crag.core.settings_sources import read_calibration
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.registry import default_scorer
-from llama_index_crag.stores.chunking import clean_node
+from llama_index_crag.text.cleaning import clean_node
 from llama_index_crag.web.retriever import WebSearchRetriever
 
 if TYPE_CHECKING:

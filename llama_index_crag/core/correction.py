@@ -24,7 +24,7 @@ from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace, NodeGrade
 from llama_index_crag.errors import CorrectiveTimeout, RewriteError
-from llama_index_crag.stores.chunking import clean_nodes
+from llama_index_crag.text.cleaning import clean_nodes
 from llama_index_crag.web.retriever import WebSearchRetriever, collect_web_reports
 
 

@@ -40,7 +40,7 @@ from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace
 from llama_index_crag.errors import InvalidQueryError
 from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
-from llama_index_crag.stores.chunking import clean_nodes, clean_text, is_blank
+from llama_index_crag.text.cleaning import clean_nodes, clean_text, is_blank
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from llama_index.core.prompts.mixin import PromptDictType, PromptMixin, PromptMi
 
 from llama_index_crag.errors import RewriteError
 from llama_index_crag.local.models import describe_llm
-from llama_index_crag.scorers.evidence import terms
-from llama_index_crag.stores.chunking import clean_text
 from llama_index_crag.templates import checked_template
+from llama_index_crag.text.cleaning import clean_text
+from llama_index_crag.text.split import terms
 
 DEFAULT_REWRITE_PROMPT = PromptTemplate(
     "You rewrite search queries so that a document search finds the passages that answer them.\n"

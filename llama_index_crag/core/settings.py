@@ -175,7 +175,10 @@ class CragSettings(OwnSources):
             "aggregation": (self.aggregation, grader.aggregation),
             "min_relevant": (self.min_relevant, grader.min_relevant),
             "explain": (self.explain, grader.explain),
-            "strip_threshold": (self.lower if self.strip_threshold is None else self.strip_threshold, refiner.threshold),
+            "strip_threshold": (
+                self.lower if self.strip_threshold is None else self.strip_threshold,
+                refiner.threshold,
+            ),
             "strip_min_tokens": (self.strip_min_tokens, refiner.strip_min_tokens),
         }
         differ = [f"{name}={mine!r} but {theirs!r}" for name, (mine, theirs) in pairs.items() if mine != theirs]

@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List
 
-from llama_index_crag.core.refiner import decompose
 from llama_index_crag.datasets import load_questions, normalise_text, numbered_rows, text_field
 from llama_index_crag.errors import ConfigError, DatasetError
+from llama_index_crag.text.strips import decompose
 
 
 def _group(sentences: List[str], min_words: int) -> List[range]:

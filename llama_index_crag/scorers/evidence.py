@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -11,7 +10,6 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequ
 
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
-from nltk.stem.porter import PorterStemmer
 from numpy.typing import ArrayLike
 from rapidfuzz import process
 from rapidfuzz.distance import DamerauLevenshtein
@@ -20,7 +18,7 @@ from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.answer_type import answer_type, constraints, turned_round
 from llama_index_crag.scorers.base import RelevanceScorer, finite_numbers, fit_logistic, sigmoid
 from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
-from llama_index_crag.stores.chunking import split_sentences
+from llama_index_crag.text.split import split_sentences, terms
 
 FEATURES = (
     "cosine",
@@ -41,28 +39,8 @@ ADDED_FEATURES = ("turned_round",)
 #: The features whose lift over the other candidates of the same batch is a feature too.
 _LIFTED = (0, 1, 2)
 
-_STOPWORDS = frozenset(
-    "a an the of in on at to for from by with and or is are was were be been being what which who whom whose when "
-    "where why how did does do done that this these those it its as into than then there their they them he she his "
-    "her i you we our your not no yes can could would should will may might must has have had about after before "
-    "over under between during most more less least also such other any all each some many much one name named "
-    "called type kind use used".split()
-)
-_WORD = re.compile(r"[^\W_]+", re.UNICODE)
 #: The shortest word stem read as a possible misspelling of a passage's word one edit away ("kelven", "kalven").
 MISSPELT_MIN_LENGTH = 6
-_STEMMER = PorterStemmer()
-
-
-@lru_cache(maxsize=200_000)
-def _term(word: str) -> str:
-    """The stem of a lower-cased word, or "" for a stopword (cached: the same words recur in every passage)."""
-    return "" if word in _STOPWORDS else _STEMMER.stem(word)
-
-
-def terms(text: str) -> List[str]:
-    """Lower-cased, Porter-stemmed content words (any script), stopwords removed: "ages" and "aged" match."""
-    return [t for t in (_term(m.group(0).lower()) for m in _WORD.finditer(text)) if t]
 
 
 def idf(size: int, document_frequency: int) -> float:

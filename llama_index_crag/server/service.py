@@ -21,7 +21,7 @@ from llama_index_crag.errors import GenerationError, InvalidQueryError, Retrieva
 from llama_index_crag.server.errors import ApiError
 from llama_index_crag.server.metrics import ServerMetrics
 from llama_index_crag.server.schemas import QueryResult, RecentQuery, Source
-from llama_index_crag.stores.chunking import clean_text, is_blank
+from llama_index_crag.text.cleaning import clean_text, is_blank
 
 #: Characters of a source's text returned as its excerpt.
 EXCERPT_CHARS = 600

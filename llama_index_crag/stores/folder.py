@@ -33,7 +33,8 @@ from llama_index.core.schema import BaseNode, MetadataMode
 
 from llama_index_crag.datasets import load_documents
 from llama_index_crag.errors import IndexFolderError
-from llama_index_crag.stores.chunking import clean_text, splitter
+from llama_index_crag.stores.chunking import splitter
+from llama_index_crag.text.cleaning import clean_text
 
 FORMAT = 1
 MANIFEST = "manifest.json"

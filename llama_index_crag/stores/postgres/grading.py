@@ -15,8 +15,9 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.base import RelevanceScorer, node_text
 from llama_index_crag.scorers.bi_encoder import bi_encoder_of
-from llama_index_crag.scorers.evidence import EvidenceScorer, idf, terms
+from llama_index_crag.scorers.evidence import EvidenceScorer, idf
 from llama_index_crag.stores.postgres.store import PostgresStore
+from llama_index_crag.text.split import terms
 
 if TYPE_CHECKING:
     pass

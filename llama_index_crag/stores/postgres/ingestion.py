@@ -14,9 +14,9 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import BaseNode, Document, MetadataMode
 from llama_index.core.vector_stores.utils import node_to_metadata_dict
 
-from llama_index_crag.scorers.evidence import terms
 from llama_index_crag.stores.memory import sentence_windows
 from llama_index_crag.stores.postgres.store import FORMAT, PostgresStore, StoreError, now_iso, redacted, row_node
+from llama_index_crag.text.split import terms
 
 if TYPE_CHECKING:
     from psycopg import Connection

@@ -11,8 +11,8 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from llama_index_crag.stores.chunking import clean_text
 from llama_index_crag.stores.postgres.store import PostgresStore, row_node
+from llama_index_crag.text.cleaning import clean_text
 
 if TYPE_CHECKING:
     from psycopg import Connection

@@ -1,0 +1,1 @@
+"""The bottom of the package: clean text, split it into sentences, words and knowledge strips."""
