@@ -31,7 +31,7 @@ _EXPORTS: Dict[str, str] = {
     "StripRefiner": "llama_index_crag.core.refiner",
     "Verdict": "llama_index_crag.core.grader",
     "WebSearchRetriever": "llama_index_crag.web.retriever",
-    "WebSearchSettings": "llama_index_crag.core.settings",
+    "WebSearchSettings": "llama_index_crag.web.settings",
 }
 
 __all__ = [
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
     from llama_index_crag.core.refiner import StripRefiner
     from llama_index_crag.core.rewrite import QueryRewriter, RewrittenQuery
-    from llama_index_crag.core.settings import CragSettings, WebSearchSettings
+    from llama_index_crag.core.settings import CragSettings
     from llama_index_crag.errors import (
         CorrectiveTimeout,
         CragError,
@@ -87,3 +87,4 @@ if TYPE_CHECKING:
         RewriteError,
     )
     from llama_index_crag.web.retriever import WebSearchRetriever
+    from llama_index_crag.web.settings import WebSearchSettings

@@ -601,8 +601,8 @@ def test_grade_pairs_cross_validates_by_article_and_says_so_when_there_is_only_o
     ],
 )
 def test_a_calibration_file_of_another_shape_is_a_config_error(tmp_path: Path, content: bytes, said: str) -> None:
-    from llama_index_crag.core.settings_sources import read_calibration
     from llama_index_crag.errors import ConfigError
+    from llama_index_crag.settings_sources import read_calibration
 
     (tmp_path / "cal.json").write_bytes(content)
     with pytest.raises(ConfigError, match=said):

@@ -182,8 +182,8 @@ def test_the_packaged_grader_explains_its_stacked_score(packaged: ReaderScorer) 
 def test_a_calibration_is_refused_for_another_grader_in_a_folder_of_the_same_name(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from llama_index_crag.core.settings_sources import read_calibration
     from llama_index_crag.errors import ConfigError
+    from llama_index_crag.settings_sources import read_calibration
 
     mine, theirs = tmp_path / "mine" / "grader", tmp_path / "theirs" / "grader"
     shutil.copytree(PACKAGED, mine)

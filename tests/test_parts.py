@@ -15,11 +15,12 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever, RelevanceGrader, StripRefiner, Verdict
-from llama_index_crag.core.settings import CragSettings, WebSearchSettings
+from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers import BiEncoderScorer, EvidenceScorer, UpstreamScoreScorer
 from llama_index_crag.text.split import split_sentences
 from llama_index_crag.text.strips import decompose
+from llama_index_crag.web.settings import WebSearchSettings
 
 from .conftest import ALPHA, BETA, CORPUS, GAMMA, MarkerScorer, ScriptedLLM, make_engine
 

@@ -22,7 +22,6 @@ from llama_index.core.schema import QueryBundle
 
 from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever
 from llama_index_crag.core.prompts import INTERNAL_WINS, SOURCES_ARE_DATA
-from llama_index_crag.core.settings import WebSearchSettings
 from llama_index_crag.web import (
     DuckDuckGoSearch,
     SearxNGSearch,
@@ -31,6 +30,7 @@ from llama_index_crag.web import (
     collect_web_reports,
     scrub_query,
 )
+from llama_index_crag.web.settings import WebSearchSettings
 
 from .conftest import BETA, CORPUS, GAMMA, REWRITE_MARKER, FixedRetriever, MarkerScorer
 

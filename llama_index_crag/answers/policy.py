@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Tuple, get_args
 
 from llama_index.core.llms import MockLLM
 
 from llama_index_crag.answers.grounding import AnswerCheck
-from llama_index_crag.core.settings import AnswerMode
 from llama_index_crag.local.bundled import BUNDLED_GGUF
+
+#: The answer step's choices (``CragSettings.answer_mode`` and ``on_ungrounded``), named once for every caller.
+AnswerMode = Literal["extract", "generate"]
+OnUngrounded = Literal["flag", "extract", "abstain"]
+ANSWER_MODES: Tuple[str, ...] = get_args(AnswerMode)
+ON_UNGROUNDED: Tuple[str, ...] = get_args(OnUngrounded)
 
 #: What the engine did with a checked answer: kept it, kept it flagged, replaced it by the quotes, or abstained.
 Outcome = Literal["kept", "flagged", "extract", "abstain"]

@@ -15,12 +15,12 @@ from llama_index.core.schema import MetadataMode
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
-from llama_index_crag.core.settings_sources import CALIBRATION_VERSION
 from llama_index_crag.datasets import Question, load_documents, load_questions, normalise_text, read_jsonl
 from llama_index_crag.errors import ConfigError, DatasetError
 from llama_index_crag.local.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import bi_encoder_of
+from llama_index_crag.settings_sources import CALIBRATION_VERSION
 
 IN_CORPUS = "in-corpus"
 OUT_OF_CORPUS = "out-of-corpus"

@@ -22,11 +22,11 @@ from llama_index_crag.calibration.fit import (
 )
 from llama_index_crag.calibration.labelled import group_folds
 from llama_index_crag.calibration.report_figures import KINDS, Outcome, against_default, figures, plot, table
-from llama_index_crag.core.settings_sources import read_calibration
 from llama_index_crag.errors import ConfigError, DatasetError
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.scorers.registry import from_spec, report_scorers
+from llama_index_crag.settings_sources import read_calibration
 
 
 def _evidence_aggregate(

@@ -25,13 +25,14 @@ from llama_index_crag.core.fallback import FallbackRetriever
 from llama_index_crag.core.grader import RelevanceGrader
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
-from llama_index_crag.core.settings import CragSettings, WebSearchSettings
-from llama_index_crag.core.settings_sources import read_calibration
+from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.registry import default_scorer
+from llama_index_crag.settings_sources import read_calibration
 from llama_index_crag.text.cleaning import clean_node
 from llama_index_crag.web.retriever import WebSearchRetriever
+from llama_index_crag.web.settings import WebSearchSettings
 
 if TYPE_CHECKING:
     from llama_index_crag.core.engine import CorrectiveQueryEngine

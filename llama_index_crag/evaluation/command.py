@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from llama_index_crag.answers.policy import ANSWER_MODES, ON_UNGROUNDED
 from llama_index_crag.arguments import http_url, positive_int
-from llama_index_crag.core.settings import ANSWER_MODES, ON_UNGROUNDED
 from llama_index_crag.evaluation import SYSTEM_NAMES
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 from llama_index_crag.scorers.registry import SPECS, check_spec

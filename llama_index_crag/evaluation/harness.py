@@ -18,10 +18,9 @@ from llama_index.core.response_synthesizers import ResponseMode, get_response_sy
 from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
-from llama_index_crag.answers.policy import default_answer_mode
+from llama_index_crag.answers.policy import ANSWER_MODES, ON_UNGROUNDED, default_answer_mode
 from llama_index_crag.calibration.reader_model import WEIGHTS_FILE
 from llama_index_crag.core.engine import CorrectiveQueryEngine
-from llama_index_crag.core.settings import ANSWER_MODES, ON_UNGROUNDED
 from llama_index_crag.datasets import content_hash
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.evaluation.corpus import EvalCorpus

@@ -10,7 +10,7 @@ import numpy as np
 from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.schema import MetadataMode
 
-from llama_index_crag.core.settings import ON_UNGROUNDED
+from llama_index_crag.answers.policy import ON_UNGROUNDED
 from llama_index_crag.evaluation.dataset import EvalQuestion, contains_any, quotes_any
 
 ANSWERABLE, UNANSWERABLE, OUT_OF_CORPUS = "answerable", "unanswerable", "out_of_corpus"

@@ -197,7 +197,7 @@ def ingest(
 
         load_reader(grader)
     if calibration:
-        from llama_index_crag.core.settings_sources import read_calibration
+        from llama_index_crag.settings_sources import read_calibration
 
         read_calibration(calibration, None)
     documents, skipped = read_documents(source, exclude=index_dir)

@@ -15,8 +15,8 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from llama_index_crag.core.settings import WebSearchSettings
 from llama_index_crag.errors import ConfigError, MissingDependency
+from llama_index_crag.web.settings import WebSearchSettings
 
 TEXT_TYPES = ("text/html", "application/xhtml+xml", "text/plain")
 MAX_REDIRECTS = 3

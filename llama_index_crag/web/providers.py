@@ -10,8 +10,8 @@ from typing import Any, List, Mapping, Optional, Protocol, Sequence
 
 import httpx
 
-from llama_index_crag.core.settings import WebSearchSettings
 from llama_index_crag.errors import ConfigError, MissingDependency, WebSearchError
+from llama_index_crag.web.settings import WebSearchSettings
 
 _INSTALL = "pip install 'llama-index-crag[web]'"
 #: The largest search answer read (a SearxNG page of results is tens of kilobytes).

@@ -14,12 +14,12 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from llama_index_crag.core.settings import WebSearchSettings
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.text.strips import decompose
 from llama_index_crag.web.pages import Page, UrlPolicy, fetch_pages
 from llama_index_crag.web.privacy import scrub_query
 from llama_index_crag.web.providers import SearchProvider, WebSearchError, provider_from_settings
+from llama_index_crag.web.settings import WebSearchSettings
 
 #: Node metadata that marks a passage as coming from the web (hidden from the LLM and the embedder).
 ORIGIN_KEY = "crag_origin"

@@ -1,6 +1,6 @@
 """Where settings come from besides the constructor: the environment, the calibration file, a scorer's defaults.
 
-The pydantic-settings sources ``core/settings.py`` stacks in the documented order, the
+The pydantic-settings sources that ``core/settings.py`` and ``web/settings.py`` stack in the documented order, the
 parsing of what the environment spells as text (booleans, comma lists), and errors that
 name the variable a bad value came from.
 """
@@ -208,3 +208,30 @@ def load_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, 
     """The thresholds of a calibration file (see ``read_calibration``)."""
     thresholds = read_calibration(path, scorer_name)["thresholds"]
     return {k: thresholds[k] for k in ("upper", "lower", "aggregation", "strip_threshold") if k in thresholds}
+
+
+#: The prefix of every environment variable the settings read.
+ENV_PREFIX = "CRAG_"
+
+
+class OwnSources(BaseSettings):
+    """Settings read from this package's own sources only (see ``own_sources``): never a ``.env`` or secrets
+    file, and the environment through ``current_sources()`` so that a caller can pass its own."""
+
+    @classmethod
+    def own_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource
+    ) -> Tuple[PydanticBaseSettingsSource, ...]:
+        """The sources, highest first."""
+        raise NotImplementedError
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> Tuple[PydanticBaseSettingsSource, ...]:
+        return cls.own_sources(settings_cls, init_settings)
