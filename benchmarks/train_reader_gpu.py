@@ -115,8 +115,8 @@ def train(args: argparse.Namespace) -> None:
 def import_(args: argparse.Namespace) -> None:
     from safetensors.torch import load_file, save_file
 
-    from llama_index_crag.calibration.reader_model import base_fingerprint
     from llama_index_crag.local.bundled import bundled_embedding_path
+    from llama_index_crag.scorers.reader_model import base_fingerprint
 
     parts = Path(args.parts)
     import torch

@@ -12,9 +12,9 @@ from llama_index.core.llms import MockLLM
 from llama_index.core.schema import TextNode
 
 from llama_index_crag import CorrectiveQueryEngine
-from llama_index_crag.calibration.reader_model import GRADER_FILE, WEIGHTS_FILE, file_sha256
 from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.scorers.reader import GraderLoadError, ReaderScorer, packaged_grader_path
+from llama_index_crag.scorers.reader_model import GRADER_FILE, WEIGHTS_FILE, file_sha256
 from llama_index_crag.scorers.registry import default_scorer
 
 PACKAGED = packaged_grader_path()

@@ -19,8 +19,6 @@ from llama_index_crag.calibration.pairs import (
     PairSet,
     make_pairs,
 )
-from llama_index_crag.calibration.reader_model import LORA_TARGETS, WEIGHTS_FILE
-from llama_index_crag.calibration.reader_model import Reader as ReaderModel
 from llama_index_crag.calibration.training import TrainingConfig, train_grader
 from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.scorers.evidence import FEATURES
@@ -32,6 +30,8 @@ from llama_index_crag.scorers.reader import (
     load_reader,
     windows,
 )
+from llama_index_crag.scorers.reader_model import LORA_TARGETS, WEIGHTS_FILE
+from llama_index_crag.scorers.reader_model import Reader as ReaderModel
 
 # The module trains a reader once (60 real steps on CPU): on a loaded 2-core machine that alone can pass the suite's
 # 300 s per-test limit, so this module gets more.

@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from llama_index_crag.calibration.reader_model import GRADER_FILE, WEIGHTS_FILE, file_sha256, read_weights, save_weights
 from llama_index_crag.errors import ConfigError
+from llama_index_crag.scorers.reader_model import GRADER_FILE, WEIGHTS_FILE, file_sha256, read_weights, save_weights
 from llama_index_crag.settings_sources import read_calibration
 
 NOTICE_FILE = "NOTICE"

@@ -30,14 +30,14 @@ import numpy as np
 from numpy.typing import ArrayLike
 from tqdm import tqdm
 
-from llama_index_crag.calibration.reader_model import (
+from llama_index_crag.errors import DatasetError, GraderLoadError
+from llama_index_crag.scorers.reader_model import (
     GRADER_FILE,
     GRADER_VERSION,
     WEIGHTS_FILE,
     Reader,
     base_fingerprint,
 )
-from llama_index_crag.errors import DatasetError, GraderLoadError
 
 CHECKPOINT_FILE = "checkpoint.pt"
 #: A LoRA adapter's learning rate when none is given: LoRA's usual tenfold of full fine-tuning's.

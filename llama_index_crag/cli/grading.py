@@ -11,8 +11,8 @@ from typing import Any
 from tqdm import tqdm
 
 from llama_index_crag.arguments import at_least, positive_int
-from llama_index_crag.calibration.reader_model import POOLINGS
 from llama_index_crag.errors import ConfigError
+from llama_index_crag.scorers.reader_model import POOLINGS
 
 
 def add_parsers(commands: Any) -> None:

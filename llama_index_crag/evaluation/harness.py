@@ -19,7 +19,6 @@ from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
 from llama_index_crag.answers.policy import ANSWER_MODES, ON_UNGROUNDED, default_answer_mode
-from llama_index_crag.calibration.reader_model import WEIGHTS_FILE
 from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.datasets import content_hash
 from llama_index_crag.errors import ConfigError
@@ -38,6 +37,7 @@ from llama_index_crag.evaluation.metrics import (
 from llama_index_crag.evaluation.report import write_report
 from llama_index_crag.evaluation.systems import SYSTEMS, SystemParts
 from llama_index_crag.local.models import describe_llm
+from llama_index_crag.scorers.reader_model import WEIGHTS_FILE
 from llama_index_crag.scorers.registry import check_spec, from_spec, spec_defaults
 
 ROWS_FILE = "rows.jsonl"

@@ -12,7 +12,9 @@ import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from numpy.typing import ArrayLike
 
-from llama_index_crag.calibration.reader_model import (
+from llama_index_crag.scorers.base import fit_logistic, sigmoid
+from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer, align_weights
+from llama_index_crag.scorers.reader_model import (
     GRADER_FILE,
     GRADER_VERSION,
     WEIGHTS_FILE,
@@ -21,8 +23,6 @@ from llama_index_crag.calibration.reader_model import (
     base_fingerprint,
     file_sha256,
 )
-from llama_index_crag.scorers.base import fit_logistic, sigmoid
-from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer, align_weights
 
 READER_FEATURES = FEATURES + ("reader",)
 #: Words per window a passage is read in; a candidate scores as the best of its windows.
