@@ -38,13 +38,14 @@ from llama_index.core.vector_stores.utils import node_to_metadata_dict
 
 from benchmarks.bench_engine import FixedLLM
 from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.core.persisted import engine_from_store
 from llama_index_crag.datasets import load_documents
 from llama_index_crag.evaluation.dataset import load_eval_questions
 from llama_index_crag.evaluation.metrics import pipeline_ms
 from llama_index_crag.local.embedding_cache import corpus_cache
 from llama_index_crag.local.models import default_embed_model
 from llama_index_crag.stores.chunking import chunk
-from llama_index_crag.stores.postgres import PostgresStore, engine_from_store, ingest
+from llama_index_crag.stores.postgres import PostgresStore, ingest
 from llama_index_crag.text.split import terms
 
 DIM = 384

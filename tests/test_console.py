@@ -25,10 +25,11 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
 from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.core.persisted import load_engine
 from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.server.app import create_app
 from llama_index_crag.server.service import ServerConfig
-from llama_index_crag.stores.folder import ingest, load_engine, load_index
+from llama_index_crag.stores.folder import ingest, load_index
 from tests.conftest import Answering
 from tests.live_server import LiveServer
 

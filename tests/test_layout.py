@@ -13,6 +13,30 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "llama_index_crag"
 #: Modules larger than this are split; the page docs/layout.md says where things are.
 MAX_LINES = 400
+#: The layers of the package, bottom first (docs/layout.md): a module imports only its own layer and those before
+#: it here. A module's layer is its first name under the package (``core`` for ``llama_index_crag.core.engine``);
+#: the package's own ``__init__`` (its public names) is the top.
+LAYERS = (
+    "errors",
+    "_lazy",
+    "deadline",
+    "settings_sources",
+    "templates",
+    "text",
+    "datasets",
+    "local",
+    "scorers",
+    "stores",
+    "web",
+    "answers",
+    "core",
+    "arguments",
+    "calibration",
+    "evaluation",
+    "server",
+    "cli",
+    "llama_index_crag",
+)
 
 
 def _modules() -> Dict[str, Path]:
@@ -105,14 +129,47 @@ def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
     return found
 
 
+def _wrong_way(graph: Dict[str, Set[str]]) -> List[str]:
+    """Every import of a later layer than the importer's (``LAYERS``), and every module in no layer."""
+
+    def layer(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+
+    found = []
+    for module, targets in sorted(graph.items()):
+        if layer(module) not in LAYERS:
+            found.append(f"{module} is in no layer: place it in LAYERS and docs/layout.md")
+            continue
+        below = LAYERS.index(layer(module))
+        found.extend(f"{module} imports {target}" for target in sorted(targets) if LAYERS.index(layer(target)) > below)
+    return found
+
+
 def test_no_import_cycle_inside_the_package_at_module_or_function_level() -> None:
     graph = _graph()
-    assert "llama_index_crag.core.engine" in graph["llama_index_crag.stores.postgres.engine"], "the graph sees imports"
+    assert "llama_index_crag.core.engine" in graph["llama_index_crag.core.persisted"], "the graph sees imports"
+    assert "llama_index_crag.stores.memory" in graph["llama_index_crag.stores.folder"], "and those inside functions"
     assert _cycles(graph) == []
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_import_goes_down_the_layers_at_module_or_function_level() -> None:
+    assert _wrong_way(_graph()) == []
+
+
+def test_the_layer_check_finds_an_import_against_the_order() -> None:
+    graph = {
+        "llama_index_crag.scorers.reader": {"llama_index_crag.calibration.training", "llama_index_crag.errors"},
+        "llama_index_crag.core.engine": {"llama_index_crag.core.grader", "llama_index_crag.scorers.base"},
+        "llama_index_crag.misc": set(),
+    }
+    assert _wrong_way(graph) == [
+        "llama_index_crag.misc is in no layer: place it in LAYERS and docs/layout.md",
+        "llama_index_crag.scorers.reader imports llama_index_crag.calibration.training",
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))

@@ -16,6 +16,7 @@ from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.schema import MetadataMode, QueryBundle
 
 from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.core.persisted import engine_from_store
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
 from llama_index_crag.local.embedding_cache import DiskCachedEmbedding
 from llama_index_crag.scorers.evidence import EvidenceScorer
@@ -26,7 +27,6 @@ from llama_index_crag.stores.postgres import (
     PostgresStore,
     PostgresVectorRetriever,
     StoreError,
-    engine_from_store,
     ingest,
 )
 from llama_index_crag.text.split import terms

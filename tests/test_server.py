@@ -20,12 +20,13 @@ from llama_index.core.response_synthesizers.no_text import NoText
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.core.persisted import load_engine
 from llama_index_crag.datasets import SAMPLE_DIR, load_documents, load_questions
 from llama_index_crag.errors import ConfigError, GraderLoadError
 from llama_index_crag.local.cores import usable_cores
 from llama_index_crag.server.app import create_app
 from llama_index_crag.server.service import ServerConfig
-from llama_index_crag.stores.folder import IndexFolderError, ingest, load_engine, load_index
+from llama_index_crag.stores.folder import IndexFolderError, ingest, load_index
 from tests.conftest import ScriptedLLM, write_hostile_documents
 from tests.live_server import LiveServer
 from tests.loadtest import ServerProcess, free_port, run_load

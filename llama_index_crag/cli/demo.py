@@ -55,7 +55,7 @@ def add_parsers(commands: Any) -> None:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from llama_index_crag.local.doctor import report, run_checks
+    from llama_index_crag.cli.doctor import report, run_checks
 
     checks = run_checks(args.ollama_url, args.ollama_model, args.gguf)
     print(report(checks, as_json=args.json))

@@ -79,7 +79,7 @@ def from_defaults(
     sending anything whatever the code says.
     """
     if vector_store is not None:  # a PostgreSQL store: the whole loop reads it (llama_index_crag.stores.postgres)
-        from llama_index_crag.stores.postgres.parts import store_parts
+        from llama_index_crag.core.store_parts import store_parts
 
         parts = store_parts(
             vector_store,

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 OPTIONS_ENV = "CRAG_SERVE_OPTIONS"
 
@@ -110,16 +110,20 @@ def build_llm(options: ServeOptions, threads: Optional[int] = None) -> Tuple[Any
 
 def build_app(options: ServeOptions) -> Any:
     """The FastAPI app over the index folder the options name."""
+    from llama_index_crag.core.persisted import engine_from_store, load_engine
     from llama_index_crag.server.app import create_app
     from llama_index_crag.server.service import ServerConfig
-    from llama_index_crag.stores.folder import load_engine, load_index
+    from llama_index_crag.stores.folder import load_index
 
     threads = worker_threads(options)
     use_threads(threads, options)
     llm, generator = build_llm(options, threads)  # None: the engine quotes the passages instead of generating
-    settings = {"enabled": False if options.disable_crag else None, "max_query_chars": options.max_query_chars}
+    settings: Dict[str, Any] = {
+        "enabled": False if options.disable_crag else None,
+        "max_query_chars": options.max_query_chars,
+    }
     if options.store:
-        from llama_index_crag.stores.postgres import PostgresStore, engine_from_store
+        from llama_index_crag.stores.postgres import PostgresStore
 
         store = PostgresStore(options.store, table=options.table)
         engine = engine_from_store(store, llm, **settings)

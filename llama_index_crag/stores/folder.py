@@ -28,7 +28,6 @@ from typing import Any, Dict, List, Optional
 
 from llama_index.core import Document, StorageContext, VectorStoreIndex, load_index_from_storage
 from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.llms import LLM
 from llama_index.core.schema import BaseNode, MetadataMode
 
 from llama_index_crag.datasets import load_documents
@@ -252,9 +251,9 @@ def ingest(
     if calibration:
         shutil.copyfile(calibration, index_dir / CALIBRATION)
     if warm_fallback:
-        from llama_index_crag.core.fallback import FallbackRetriever
+        from llama_index_crag.stores.memory import SentenceWindowRetriever
 
-        FallbackRetriever.from_nodes(nodes, embed_model=embedder).retrieve("warm the sentence windows")
+        SentenceWindowRetriever(nodes, embedder).retrieve("warm the sentence windows")
     report.seconds = round(time.monotonic() - started, 2)
     manifest: Dict[str, Any] = {
         "format": FORMAT,
@@ -313,28 +312,6 @@ def load_index(index_dir: Path | str, embed_model: Optional[BaseEmbedding] = Non
     if not isinstance(index, VectorStoreIndex):
         raise IndexFolderError(f"{index_dir} holds a {type(index).__name__}, not a vector index: ingest it again")
     return LoadedIndex(index_dir, index, list(index.docstore.docs.values()), embedder, manifest)
-
-
-def load_engine(loaded: LoadedIndex, llm: Optional[LLM], **settings: Any) -> Any:
-    """The engine over a loaded index: its scorer (the recorded grader, else the evidence scorer) with the
-    persisted corpus statistics, its calibration, and the fallback over its chunks."""
-    from llama_index_crag.core.engine import CorrectiveQueryEngine
-    from llama_index_crag.scorers.evidence import EvidenceScorer
-    from llama_index_crag.scorers.registry import default_scorer
-
-    scorer = default_scorer(loaded.embed_model, grader=loaded.manifest.get("grader"))
-    if not isinstance(scorer, EvidenceScorer):  # every default (evidence, a reader cascade) weighs words by IDF
-        raise IndexFolderError(f"{loaded.index_dir}: the grader {scorer.name} cannot use the index's word statistics")
-    scorer.load_corpus_stats(json.loads((loaded.index_dir / CORPUS_STATS).read_text()))
-    return CorrectiveQueryEngine.from_defaults(
-        index=loaded.index,
-        nodes=loaded.nodes,
-        llm=llm,
-        scorer=scorer,
-        embed_model=loaded.embed_model,
-        calibration_path=loaded.calibration_path,
-        **settings,
-    )
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -3,7 +3,7 @@
 One store is a handful of tables named after it (``crag`` by default), laid out in
 ``store.py``; ``ingest.py`` fills them, ``retrievers.py`` reads them (pgvector, sentence
 windows, full-text search), ``grading.py`` grades with the stored embeddings and the
-IDF of the query's words only, and ``engine.py`` builds the corrective engine over them.
+IDF of the query's words only; ``core/persisted.py`` builds the corrective engine over them.
 psycopg is imported on first connection: install the ``[postgres]`` extra.
 """
 
@@ -23,15 +23,11 @@ _EXPORTS: Dict[str, str] = {
     "PostgresStore": "llama_index_crag.stores.postgres.store",
     "PostgresVectorRetriever": "llama_index_crag.stores.postgres.retrievers",
     "StoreError": "llama_index_crag.stores.postgres.store",
-    "StoreParts": "llama_index_crag.stores.postgres.parts",
     "StoreUnavailableError": "llama_index_crag.stores.postgres.store",
     "StoredEvidence": "llama_index_crag.stores.postgres.grading",
     "StoredIdf": "llama_index_crag.stores.postgres.grading",
     "candidate_lexemes": "llama_index_crag.stores.postgres.retrievers",
-    "engine_from_store": "llama_index_crag.stores.postgres.engine",
     "ingest": "llama_index_crag.stores.postgres.ingestion",
-    "store_fallback": "llama_index_crag.stores.postgres.retrievers",
-    "store_parts": "llama_index_crag.stores.postgres.parts",
     "store_size": "llama_index_crag.stores.postgres.retrievers",
     "stored_scorer": "llama_index_crag.stores.postgres.grading",
 }
@@ -45,15 +41,11 @@ __all__ = [
     "PostgresStore",
     "PostgresVectorRetriever",
     "StoreError",
-    "StoreParts",
     "StoreUnavailableError",
     "StoredEvidence",
     "StoredIdf",
     "candidate_lexemes",
-    "engine_from_store",
     "ingest",
-    "store_fallback",
-    "store_parts",
     "store_size",
     "stored_scorer",
 ]

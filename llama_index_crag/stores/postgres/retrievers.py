@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -186,23 +186,3 @@ def _quoted(lexeme: str) -> str:
 def store_size(conn: Connection[Any], store: PostgresStore) -> int:
     row = conn.execute(f"SELECT value FROM {store.name('meta')} WHERE key = 'chunks'").fetchone()
     return int(row[0]) if row else 0
-
-
-def store_fallback(
-    store: PostgresStore,
-    embed_model: BaseEmbedding,
-    similarity_top_k: int = 5,
-    sources: Sequence[str] = ("fulltext", "sentence_window"),
-) -> BaseRetriever:
-    """The ``FallbackRetriever`` of the INCORRECT branch over the store: full-text search, then sentence windows."""
-    from llama_index_crag.core.fallback import FallbackRetriever
-
-    built: Dict[str, BaseRetriever] = {}
-    for source in sources:
-        if source in ("fulltext", "bm25"):
-            built[source] = PostgresFullTextRetriever(store, similarity_top_k)
-        elif source == "sentence_window":
-            built[source] = PostgresSentenceWindowRetriever(store, embed_model, similarity_top_k)
-        else:
-            raise ValueError(f"unknown fallback source {source!r}: use 'fulltext' or 'sentence_window'")
-    return FallbackRetriever(built, similarity_top_k=similarity_top_k)

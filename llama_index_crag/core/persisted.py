@@ -1,15 +1,44 @@
-"""``engine_from_store``: the corrective engine whose every step reads the PostgreSQL store and nothing else."""
+"""Engines over a persisted store: the index folder's (``load_engine``) and PostgreSQL's (``engine_from_store``,
+from ``core/store_parts.py``).
+
+Stores hold and search passages and know nothing of the loop; this module, beside ``core/builder.py``, is where
+an engine is put together over one.
+"""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional, Sequence, Union
 
 from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.llms import LLM
 
 from llama_index_crag.core.engine import CorrectiveQueryEngine
+from llama_index_crag.core.store_parts import store_parts
+from llama_index_crag.errors import IndexFolderError
 from llama_index_crag.scorers.base import RelevanceScorer
-from llama_index_crag.stores.postgres.parts import store_parts
+from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.scorers.registry import default_scorer
+from llama_index_crag.stores.folder import CORPUS_STATS, LoadedIndex
 from llama_index_crag.stores.postgres.store import DEFAULT_TABLE, PostgresStore
+
+
+def load_engine(loaded: LoadedIndex, llm: Optional[LLM], **settings: Any) -> CorrectiveQueryEngine:
+    """The engine over a loaded index: its scorer (the recorded grader, else the evidence scorer) with the
+    persisted corpus statistics, its calibration, and the fallback over its chunks."""
+    scorer = default_scorer(loaded.embed_model, grader=loaded.manifest.get("grader"))
+    if not isinstance(scorer, EvidenceScorer):  # every default (evidence, a reader cascade) weighs words by IDF
+        raise IndexFolderError(f"{loaded.index_dir}: the grader {scorer.name} cannot use the index's word statistics")
+    scorer.load_corpus_stats(json.loads((loaded.index_dir / CORPUS_STATS).read_text()))
+    return CorrectiveQueryEngine.from_defaults(
+        index=loaded.index,
+        nodes=loaded.nodes,
+        llm=llm,
+        scorer=scorer,
+        embed_model=loaded.embed_model,
+        calibration_path=loaded.calibration_path,
+        **settings,
+    )
 
 
 def engine_from_store(

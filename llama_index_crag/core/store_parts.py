@@ -1,20 +1,25 @@
-"""The parts of the corrective engine over a PostgreSQL store: retrieval, fallback and grading that read the
-store and nothing else (``core.builder`` wires them for ``from_defaults(vector_store=...)``)."""
+"""The engine's parts over a PostgreSQL store: retrieval, fallback and grading that read the store and nothing else
+(``core/builder.py`` wires them for ``from_defaults(vector_store=...)``)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 
+from llama_index_crag.core.fallback import FallbackRetriever
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.stores.postgres.grading import StoredEvidence, StoredIdf, stored_scorer
-from llama_index_crag.stores.postgres.retrievers import PostgresVectorRetriever, store_fallback
+from llama_index_crag.stores.postgres.retrievers import (
+    PostgresFullTextRetriever,
+    PostgresSentenceWindowRetriever,
+    PostgresVectorRetriever,
+)
 from llama_index_crag.stores.postgres.store import DEFAULT_TABLE, PostgresStore
 
 
@@ -73,3 +78,21 @@ def store_parts(
         scorer=scorer,
         postprocessors=[StoredEvidence(scorer, stored_idf), *(postprocessors or [])],
     )
+
+
+def store_fallback(
+    store: PostgresStore,
+    embed_model: BaseEmbedding,
+    similarity_top_k: int = 5,
+    sources: Sequence[str] = ("fulltext", "sentence_window"),
+) -> BaseRetriever:
+    """The ``FallbackRetriever`` of the INCORRECT branch over the store: full-text search, then sentence windows."""
+    built: Dict[str, BaseRetriever] = {}
+    for source in sources:
+        if source in ("fulltext", "bm25"):
+            built[source] = PostgresFullTextRetriever(store, similarity_top_k)
+        elif source == "sentence_window":
+            built[source] = PostgresSentenceWindowRetriever(store, embed_model, similarity_top_k)
+        else:
+            raise ValueError(f"unknown fallback source {source!r}: use 'fulltext' or 'sentence_window'")
+    return FallbackRetriever(built, similarity_top_k=similarity_top_k)
