@@ -1,15 +1,15 @@
-"""``CorrectiveQueryEngine.from_defaults``: the engine wired from what the user already has.
+"""``CorrectiveRetriever.from_defaults`` and ``CorrectiveQueryEngine.from_defaults``: wired from what the user has.
 
 Given an index, a retriever, nodes or a vector store, it chooses the scorer (``scorers.registry``),
 resolves the settings (argument > ``CRAG_*`` environment > calibration file), loads the
-calibrated scorer state, and builds the grader, refiner, fallback (with the web where asked),
-rewriter and synthesizer the loop uses.
+calibrated scorer state, and builds the grader, refiner, fallback (with the web where asked) and
+rewriter of the corrective retriever, and the synthesizer of the engine's answer step.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Type, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Type, TypeVar, Union
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -35,6 +35,9 @@ from llama_index_crag.web.retriever import WebSearchRetriever
 
 if TYPE_CHECKING:
     from llama_index_crag.core.engine import CorrectiveQueryEngine
+    from llama_index_crag.core.retriever import CorrectiveRetriever
+
+R = TypeVar("R", bound="CorrectiveRetriever")
 
 
 def from_defaults(
@@ -57,7 +60,63 @@ def from_defaults(
     vector_store: Optional[Any] = None,
     **settings: Any,
 ) -> CorrectiveQueryEngine:
-    """Build the engine around what the user already has.
+    """Build the engine around what the user already has: its ``CorrectiveRetriever`` and its answer step.
+
+    Every argument but ``response_synthesizer``, ``response_mode`` and ``streaming`` (the
+    answer step's) builds the corrective retriever, as ``corrective_retriever`` says.
+    """
+    from llama_index_crag.core.retriever import CorrectiveRetriever
+
+    llm = llm or _settings_llm()
+    corrective = corrective_retriever(
+        CorrectiveRetriever,
+        index=index,
+        retriever=retriever,
+        nodes=nodes,
+        llm=llm,
+        scorer=scorer,
+        embed_model=embed_model,
+        node_postprocessors=node_postprocessors,
+        fallback=fallback,
+        fallback_sources=fallback_sources,
+        web=web,
+        calibration_path=calibration_path,
+        callback_manager=callback_manager,
+        vector_store=vector_store,
+        **settings,
+    )
+    if not corrective.settings.enabled and llm is None and response_synthesizer is None:
+        # Quoting is CRAG's answer step; with CRAG off there is nothing to answer with but a generator, and
+        # LlamaIndex's stand-in (MockLLM) would hand back its prompt as the answer.
+        raise ConfigError(
+            "CRAG off (enabled=False or CRAG_ENABLED=false) is plain retrieve-then-generate and needs a generator: "
+            "pass llm= or set Settings.llm (llama-crag: serve --llm llamacpp, demo --generate); without one, keep CRAG "
+            "on and the engine answers by quoting"
+        )
+    synthesizer = response_synthesizer or get_response_synthesizer(
+        llm=llm or MockLLM(), response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
+    )
+    return cls(corrective, synthesizer, callback_manager=callback_manager)
+
+
+def corrective_retriever(
+    cls: Type[R],
+    index: Optional[BaseIndex] = None,
+    retriever: Optional[BaseRetriever] = None,
+    nodes: Optional[Sequence[BaseNode]] = None,
+    llm: Optional[LLM] = None,
+    scorer: Optional[RelevanceScorer] = None,
+    embed_model: Optional[BaseEmbedding] = None,
+    node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
+    fallback: Optional[BaseRetriever] = None,
+    fallback_sources: Sequence[str] = ("bm25", "sentence_window"),
+    web: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
+    calibration_path: Optional[str] = None,
+    callback_manager: Optional[CallbackManager] = None,
+    vector_store: Optional[Any] = None,
+    **settings: Any,
+) -> R:
+    """Build the corrective retriever around what the user already has.
 
     Give a ``vector_store`` (a ``PGVectorStore`` or ``postgresql://`` URL filled by
     ``llama-crag ingest --store``: retrieval, fallback and word statistics then stay in
@@ -91,6 +150,7 @@ def from_defaults(
         retriever, fallback, scorer = parts.retriever, parts.fallback, parts.scorer
         embed_model, node_postprocessors = parts.embed_model, parts.postprocessors
     llm = llm or _settings_llm()
+    callback_manager = callback_manager or Settings.callback_manager  # every part reports to the same handlers
     unknown = set(settings) - set(CragSettings.model_fields)
     if unknown:
         raise TypeError(f"unknown settings {sorted(unknown)}; see CragSettings for the names")
@@ -112,14 +172,6 @@ def from_defaults(
         scorer_name=scorer.name,
         scorer_defaults=scorer.default_thresholds,
     )
-    if not resolved.enabled and llm is None and response_synthesizer is None:
-        # Quoting is CRAG's answer step; with CRAG off there is nothing to answer with but a generator, and
-        # LlamaIndex's stand-in (MockLLM) would hand back its prompt as the answer.
-        raise ConfigError(
-            "CRAG off (enabled=False or CRAG_ENABLED=false) is plain retrieve-then-generate and needs a generator: "
-            "pass llm= or set Settings.llm (llama-crag: serve --llm llamacpp, demo --generate); without one, keep CRAG "
-            "on and the engine answers by quoting"
-        )
     if index is None and retriever is None:
         if nodes is None:
             raise ValueError("give the engine something to search: index=, retriever= or nodes=")
@@ -130,24 +182,28 @@ def from_defaults(
         index = VectorStoreIndex(list(nodes), embed_model=embed_model or default_embed_model())
     if retriever is None:
         assert index is not None
-        retriever = index.as_retriever(similarity_top_k=resolved.similarity_top_k)
+        retriever = index.as_retriever(similarity_top_k=resolved.similarity_top_k)  # with the index's callback manager
     web_settings = WebSearchSettings.resolve(web)
     if fallback is None:
         if nodes and any(n.get_content().strip() for n in nodes):
             fallback = FallbackRetriever.from_nodes(
-                nodes, sources=fallback_sources, similarity_top_k=resolved.similarity_top_k, embed_model=embed_model
+                nodes,
+                sources=fallback_sources,
+                similarity_top_k=resolved.similarity_top_k,
+                embed_model=embed_model,
+                callback_manager=callback_manager,
             )
         else:
-            fallback = FallbackRetriever({"primary": retriever}, similarity_top_k=resolved.similarity_top_k)
+            fallback = FallbackRetriever(
+                {"primary": retriever}, similarity_top_k=resolved.similarity_top_k, callback_manager=callback_manager
+            )
     if web_settings.enabled:
         fallback = FallbackRetriever.with_web(
             fallback,
             WebSearchRetriever(web_settings, scorer=scorer, strip_min_tokens=resolved.strip_min_tokens),
             similarity_top_k=resolved.similarity_top_k,
+            callback_manager=callback_manager,
         )
-    synthesizer = response_synthesizer or get_response_synthesizer(
-        llm=llm or MockLLM(), response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
-    )
     return cls(
         retriever=retriever,
         grader=RelevanceGrader(
@@ -157,15 +213,16 @@ def from_defaults(
             aggregation=resolved.aggregation,
             min_relevant=resolved.min_relevant,
             explain=resolved.explain,
+            callback_manager=callback_manager,
         ),
         refiner=StripRefiner(
             scorer,
             threshold=resolved.lower if resolved.strip_threshold is None else resolved.strip_threshold,
             strip_min_tokens=resolved.strip_min_tokens,
+            callback_manager=callback_manager,
         ),
         fallback=fallback,
         rewriter=QueryRewriter(llm) if llm is not None else None,
-        response_synthesizer=synthesizer,
         settings=resolved,
         node_postprocessors=node_postprocessors,
         callback_manager=callback_manager,

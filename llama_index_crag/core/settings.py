@@ -148,6 +148,13 @@ class CragSettings(OwnSources):
         pattern=r"\S",
         description="The answer given when the engine abstains.",
     )
+    abstain_context: str = Field(
+        default="The documents available do not answer this question: {reason}. Say that you do not know.",
+        min_length=1,
+        pattern=r"\S",
+        description="What CorrectiveRetriever returns, as the one node's text, when the loop abstains ({reason}: why); "
+        "an LLM downstream reads it in place of the rejected passages.",
+    )
 
     @model_validator(mode="after")
     def _ordered_thresholds(self) -> CragSettings:
