@@ -1,9 +1,9 @@
-"""``CorrectiveRetriever.from_defaults`` and ``CorrectiveQueryEngine.from_defaults``: wired from what the user has.
+"""``CorrectiveRetriever.from_defaults``: the corrective retriever wired from what the user already has.
 
 Given an index, a retriever, nodes or a vector store, it chooses the scorer (``scorers.registry``),
 resolves the settings (argument > ``CRAG_*`` environment > calibration file), loads the
 calibrated scorer state, and builds the grader, refiner, fallback (with the web where asked) and
-rewriter of the corrective retriever, and the synthesizer of the engine's answer step.
+rewriter the loop uses. ``CorrectiveQueryEngine.from_defaults`` adds the answer step's synthesizer.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.indices.base import BaseIndex
-from llama_index.core.llms import LLM, MockLLM
+from llama_index.core.llms import LLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
 from llama_index.core.schema import BaseNode, MetadataMode
 from llama_index.core.settings import Settings
 
@@ -27,76 +26,15 @@ from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings, WebSearchSettings
 from llama_index_crag.core.settings_sources import read_calibration
-from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.registry import default_scorer
 from llama_index_crag.stores.chunking import clean_node
 from llama_index_crag.web.retriever import WebSearchRetriever
 
 if TYPE_CHECKING:
-    from llama_index_crag.core.engine import CorrectiveQueryEngine
     from llama_index_crag.core.retriever import CorrectiveRetriever
 
 R = TypeVar("R", bound="CorrectiveRetriever")
-
-
-def from_defaults(
-    cls: Type[CorrectiveQueryEngine],
-    index: Optional[BaseIndex] = None,
-    retriever: Optional[BaseRetriever] = None,
-    nodes: Optional[Sequence[BaseNode]] = None,
-    llm: Optional[LLM] = None,
-    scorer: Optional[RelevanceScorer] = None,
-    embed_model: Optional[BaseEmbedding] = None,
-    node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
-    response_synthesizer: Optional[BaseSynthesizer] = None,
-    response_mode: ResponseMode = ResponseMode.COMPACT,
-    streaming: bool = False,
-    fallback: Optional[BaseRetriever] = None,
-    fallback_sources: Sequence[str] = ("bm25", "sentence_window"),
-    web: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
-    calibration_path: Optional[str] = None,
-    callback_manager: Optional[CallbackManager] = None,
-    vector_store: Optional[Any] = None,
-    **settings: Any,
-) -> CorrectiveQueryEngine:
-    """Build the engine around what the user already has: its ``CorrectiveRetriever`` and its answer step.
-
-    Every argument but ``response_synthesizer``, ``response_mode`` and ``streaming`` (the
-    answer step's) builds the corrective retriever, as ``corrective_retriever`` says.
-    """
-    from llama_index_crag.core.retriever import CorrectiveRetriever
-
-    llm = llm or _settings_llm()
-    corrective = corrective_retriever(
-        CorrectiveRetriever,
-        index=index,
-        retriever=retriever,
-        nodes=nodes,
-        llm=llm,
-        scorer=scorer,
-        embed_model=embed_model,
-        node_postprocessors=node_postprocessors,
-        fallback=fallback,
-        fallback_sources=fallback_sources,
-        web=web,
-        calibration_path=calibration_path,
-        callback_manager=callback_manager,
-        vector_store=vector_store,
-        **settings,
-    )
-    if not corrective.settings.enabled and llm is None and response_synthesizer is None:
-        # Quoting is CRAG's answer step; with CRAG off there is nothing to answer with but a generator, and
-        # LlamaIndex's stand-in (MockLLM) would hand back its prompt as the answer.
-        raise ConfigError(
-            "CRAG off (enabled=False or CRAG_ENABLED=false) is plain retrieve-then-generate and needs a generator: "
-            "pass llm= or set Settings.llm (llama-crag: serve --llm llamacpp, demo --generate); without one, keep CRAG "
-            "on and the engine answers by quoting"
-        )
-    synthesizer = response_synthesizer or get_response_synthesizer(
-        llm=llm or MockLLM(), response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
-    )
-    return cls(corrective, synthesizer, callback_manager=callback_manager)
 
 
 def corrective_retriever(
@@ -149,7 +87,7 @@ def corrective_retriever(
         )
         retriever, fallback, scorer = parts.retriever, parts.fallback, parts.scorer
         embed_model, node_postprocessors = parts.embed_model, parts.postprocessors
-    llm = llm or _settings_llm()
+    llm = llm or settings_llm()
     callback_manager = callback_manager or Settings.callback_manager  # every part reports to the same handlers
     unknown = set(settings) - set(CragSettings.model_fields)
     if unknown:
@@ -229,6 +167,6 @@ def corrective_retriever(
     )
 
 
-def _settings_llm() -> Optional[LLM]:
+def settings_llm() -> Optional[LLM]:
     """LlamaIndex's ``Settings.llm`` when one is set; None otherwise (the engine then quotes, never generates)."""
     return getattr(Settings, "_llm", None)

@@ -4,28 +4,34 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import List, Optional
+from typing import Any, List, Mapping, Optional, Sequence, Union
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.callbacks import CallbackManager, CBEventType, EventPayload
+from llama_index.core.indices.base import BaseIndex
 from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.llms import LLM, MockLLM
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts.mixin import PromptMixinType
-from llama_index.core.response_synthesizers import BaseSynthesizer
-from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
+from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
 
 from llama_index_crag.answers.extract import EvidenceQuoter
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.core.answering import AnswerSteps, QuotingPrompts
-from llama_index_crag.core.builder import from_defaults
+from llama_index_crag.core.builder import settings_llm
 from llama_index_crag.core.driver import Steps, adrive, check_when_streamed, drive, text_response
 from llama_index_crag.core.grader import RelevanceGrader
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.retriever import CorrectiveRetriever
-from llama_index_crag.core.settings import CragSettings
+from llama_index_crag.core.settings import CragSettings, WebSearchSettings
 from llama_index_crag.core.trace import CragTrace
+from llama_index_crag.errors import ConfigError
+from llama_index_crag.scorers.base import RelevanceScorer
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +96,61 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
         )
         super().__init__(callback_manager=callback_manager or response_synthesizer.callback_manager)
 
-    #: Build the engine around what the user already has (``core/builder.py`` says how).
-    from_defaults = classmethod(from_defaults)
+    @classmethod
+    def from_defaults(
+        cls,
+        index: Optional[BaseIndex] = None,
+        retriever: Optional[BaseRetriever] = None,
+        nodes: Optional[Sequence[BaseNode]] = None,
+        llm: Optional[LLM] = None,
+        scorer: Optional[RelevanceScorer] = None,
+        embed_model: Optional[BaseEmbedding] = None,
+        node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
+        response_synthesizer: Optional[BaseSynthesizer] = None,
+        response_mode: ResponseMode = ResponseMode.COMPACT,
+        streaming: bool = False,
+        fallback: Optional[BaseRetriever] = None,
+        fallback_sources: Sequence[str] = ("bm25", "sentence_window"),
+        web: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
+        calibration_path: Optional[str] = None,
+        callback_manager: Optional[CallbackManager] = None,
+        vector_store: Optional[Any] = None,
+        **settings: Any,
+    ) -> CorrectiveQueryEngine:
+        """Build the engine around what the user already has: its ``CorrectiveRetriever`` and its answer step.
+
+        Every argument but ``response_synthesizer``, ``response_mode`` and ``streaming`` (the
+        answer step's) builds the corrective retriever, as ``CorrectiveRetriever.from_defaults`` says.
+        """
+        llm = llm or settings_llm()
+        corrective = CorrectiveRetriever.from_defaults(
+            index=index,
+            retriever=retriever,
+            nodes=nodes,
+            llm=llm,
+            scorer=scorer,
+            embed_model=embed_model,
+            node_postprocessors=node_postprocessors,
+            fallback=fallback,
+            fallback_sources=fallback_sources,
+            web=web,
+            calibration_path=calibration_path,
+            callback_manager=callback_manager,
+            vector_store=vector_store,
+            **settings,
+        )
+        if not corrective.settings.enabled and llm is None and response_synthesizer is None:
+            # Quoting is CRAG's answer step; with CRAG off there is nothing to answer with but a generator, and
+            # LlamaIndex's stand-in (MockLLM) would hand back its prompt as the answer.
+            raise ConfigError(
+                "CRAG off (enabled=False or CRAG_ENABLED=false) is plain retrieve-then-generate and needs a "
+                "generator: pass llm= or set Settings.llm (llama-crag: serve --llm llamacpp, demo --generate); "
+                "without one, keep CRAG on and the engine answers by quoting"
+            )
+        synthesizer = response_synthesizer or get_response_synthesizer(
+            llm=llm or MockLLM(), response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
+        )
+        return cls(corrective, synthesizer, callback_manager=callback_manager)
 
     def variant(self, *, streaming: Optional[bool] = None, explain: Optional[bool] = None) -> CorrectiveQueryEngine:
         """This engine with another streaming or explain setting, sharing every part (retrievers, scorer, caches).
