@@ -115,9 +115,9 @@ def corrective_retriever(
             raise ValueError("give the engine something to search: index=, retriever= or nodes=")
         from llama_index.core import VectorStoreIndex
 
-        from llama_index_crag.local.models import default_embed_model
+        from llama_index_crag.local.models import settings_or_default_embed_model
 
-        index = VectorStoreIndex(list(nodes), embed_model=embed_model or default_embed_model())
+        index = VectorStoreIndex(list(nodes), embed_model=embed_model or settings_or_default_embed_model())
     if retriever is None:
         assert index is not None
         retriever = index.as_retriever(similarity_top_k=resolved.similarity_top_k)  # with the index's callback manager
