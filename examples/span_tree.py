@@ -56,7 +56,7 @@ def main() -> None:
         tree = StepTree()
         get_dispatcher().add_span_handler(tree)
         try:
-            crag = engine.query(question).metadata["crag"]
+            crag = (engine.query(question).metadata or {})["crag"]
         finally:
             get_dispatcher().span_handlers.remove(tree)
         print(f"{question}  action={crag['action']} abstained={crag['abstained']}")

@@ -9,7 +9,7 @@ rewriter the loop uses. ``CorrectiveQueryEngine.from_defaults`` adds the answer 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Type, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Type, Union
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -34,11 +34,9 @@ from llama_index_crag.web.retriever import WebSearchRetriever
 if TYPE_CHECKING:
     from llama_index_crag.core.retriever import CorrectiveRetriever
 
-R = TypeVar("R", bound="CorrectiveRetriever")
-
 
 def corrective_retriever(
-    cls: Type[R],
+    cls: Type[CorrectiveRetriever],
     index: Optional[BaseIndex] = None,
     retriever: Optional[BaseRetriever] = None,
     nodes: Optional[Sequence[BaseNode]] = None,
@@ -53,7 +51,7 @@ def corrective_retriever(
     callback_manager: Optional[CallbackManager] = None,
     vector_store: Optional[Any] = None,
     **settings: Any,
-) -> R:
+) -> CorrectiveRetriever:
     """Build the corrective retriever around what the user already has.
 
     Give a ``vector_store`` (a ``PGVectorStore`` or ``postgresql://`` URL filled by
