@@ -14,6 +14,7 @@ from llama_index_crag._lazy import LazyExports
 _EXPORTS: Dict[str, str] = {
     "AnswerCheck": "llama_index_crag.answers.grounding",
     "CorrectiveQueryEngine": "llama_index_crag.core.engine",
+    "CorrectiveRetriever": "llama_index_crag.core.retriever",
     "CorrectiveTimeout": "llama_index_crag.errors",
     "CragError": "llama_index_crag.errors",
     "CragSettings": "llama_index_crag.core.settings",
@@ -37,6 +38,7 @@ _EXPORTS: Dict[str, str] = {
 __all__ = [
     "AnswerCheck",
     "CorrectiveQueryEngine",
+    "CorrectiveRetriever",
     "CorrectiveTimeout",
     "CragError",
     "CragSettings",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
     from llama_index_crag.core.fallback import FallbackRetriever
     from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
     from llama_index_crag.core.refiner import StripRefiner
+    from llama_index_crag.core.retriever import CorrectiveRetriever
     from llama_index_crag.core.rewrite import QueryRewriter, RewrittenQuery
     from llama_index_crag.core.settings import CragSettings
     from llama_index_crag.errors import (

@@ -323,7 +323,7 @@ WRONG_ANSWER = "Harbor Pro promises 97.5% monthly uptime, set by Quentin Marsh."
 def flagging(engine: Any, **settings: Any) -> CorrectiveQueryEngine:
     """The console's engine, but generating ``WRONG_ANSWER`` and keeping it flagged when its check fails."""
     return CorrectiveQueryEngine.from_defaults(
-        retriever=engine.retriever,
+        retriever=engine.retriever.retriever,
         llm=Answering(answer=WRONG_ANSWER),
         scorer=engine.grader.scorer,
         fallback=engine.fallback,

@@ -78,7 +78,7 @@ def test_explain_puts_why_each_candidate_scored_so_in_the_trace(
 
 
 def test_off_topic_question_is_graded_incorrect_and_abstains(engine: CorrectiveQueryEngine) -> None:
-    llm = engine._rewriter.llm  # type: ignore[union-attr]
+    llm = engine.retriever.rewriter.llm  # type: ignore[union-attr]
     before = dict(llm.calls)
     response = engine.query("What is the boiling point of mercury?")
     trace = response.metadata["crag"]

@@ -14,7 +14,14 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever, RelevanceGrader, StripRefiner, Verdict
+from llama_index_crag import (
+    CorrectiveQueryEngine,
+    CorrectiveRetriever,
+    FallbackRetriever,
+    RelevanceGrader,
+    StripRefiner,
+    Verdict,
+)
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers import BiEncoderScorer, EvidenceScorer, UpstreamScoreScorer
@@ -91,22 +98,24 @@ def test_a_grader_from_the_index_grades_a_passage_as_the_engine_over_that_index_
     assert refiner.scorer.corpus_stats()["idf"] == engine.grader.scorer.corpus_stats()["idf"]  # type: ignore[attr-defined]
 
 
-def test_an_engine_built_by_hand_refuses_parts_that_disagree_with_its_settings(scripted_llm: ScriptedLLM) -> None:
+def test_a_corrective_retriever_built_by_hand_refuses_parts_that_disagree_with_its_settings(
+    scripted_llm: ScriptedLLM,
+) -> None:
     engine = make_engine(MarkerScorer({}), scripted_llm)
     parts: Dict[str, Any] = {
-        "retriever": engine.retriever,
+        "retriever": engine.retriever.retriever,
         "grader": engine.grader,
         "refiner": engine.refiner,
         "fallback": engine.fallback,
         "rewriter": None,
-        "response_synthesizer": engine.synthesizer,
         "settings": engine.settings,
     }
-    assert CorrectiveQueryEngine(**parts).grader is engine.grader
+    built = CorrectiveQueryEngine(CorrectiveRetriever(**parts), response_synthesizer=engine.synthesizer)
+    assert built.grader is engine.grader
     with pytest.raises(ConfigError, match=r"disagree \(upper=0.7 but 0.5; lower=0.3 but 0.2 in the part\)"):
-        CorrectiveQueryEngine(**{**parts, "grader": RelevanceGrader(engine.grader.scorer, upper=0.5, lower=0.2)})
+        CorrectiveRetriever(**{**parts, "grader": RelevanceGrader(engine.grader.scorer, upper=0.5, lower=0.2)})
     with pytest.raises(ConfigError, match=r"strip_threshold=0.3 but 0.6"):
-        CorrectiveQueryEngine(**{**parts, "refiner": StripRefiner(engine.grader.scorer, threshold=0.6)})
+        CorrectiveRetriever(**{**parts, "refiner": StripRefiner(engine.grader.scorer, threshold=0.6)})
 
 
 def test_grader_in_a_stock_query_engine_drops_irrelevant_nodes_and_emits_an_event(embed_model: Any) -> None:

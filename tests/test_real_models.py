@@ -235,7 +235,7 @@ def test_flag_embedding_reranker_scores_are_read_as_logits(cross_encoder_dir: Pa
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("script", ["quickstart.py", "chat_engine.py"])
+@pytest.mark.parametrize("script", ["quickstart.py", "chat_engine.py", "span_tree.py"])
 def test_examples_run_offline(script: str) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True, timeout=600, cwd=ROOT

@@ -1,7 +1,8 @@
 """The answer steps of the corrective loop: generate, quote the evidence, check a generated answer.
 
 ``AnswerSteps`` is mixed into ``CorrectiveQueryEngine``; each step is a generator that yields
-its I/O to the engine's driver (``core/driver.py``), as the rest of the loop does.
+its I/O to the engine's driver (``core/driver.py``), as the rest of the loop does, in its own
+instrumentation span.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from llama_index_crag.answers.policy import outcome_of
 from llama_index_crag.core.driver import Io, bind, text_response
 from llama_index_crag.core.prompts import QUOTED_QA_TEMPLATE, QUOTED_REFINE_TEMPLATE, quote_sources
 from llama_index_crag.core.settings import CragSettings
-from llama_index_crag.core.trace import CragTrace
+from llama_index_crag.core.trace import CragTrace, step_span
 from llama_index_crag.errors import GenerationError
 from llama_index_crag.local.models import describe_llm
 from llama_index_crag.web.retriever import is_web
@@ -100,8 +101,10 @@ class AnswerSteps:
     ) -> Generator[Io, Any, QuotedAnswer]:
         """The best strips of the context, quoted with their sources (recorded in the trace)."""
         question = query_bundle.query_str
-        with trace.timed("extract"):
+        with trace.timed("extract"), step_span("quote", passages=len(context)) as span:
             quoted = yield Io(bind(self._quoter.quote, question, context), bind(self._quoter.aquote, question, context))
+            span.outcome = "quoted" if quoted.quotes else "withheld" if quoted.withheld else "none"
+            span.sizes.update(quotes=len(quoted.quotes), withheld=len(quoted.withheld))
         trace.quotes = quoted.to_list()
         trace.quote_check = quoted.check(self._quoter.answer_threshold)
         return quoted
@@ -119,7 +122,7 @@ class AnswerSteps:
         if answer.strip() == _SYNTHESIZER_EMPTY:
             answer = ""
         evidence = context_texts(context)
-        with trace.timed("check"):
+        with trace.timed("check"), step_span("check", passages=len(evidence)) as span:
             try:
                 check = yield Io(
                     bind(self._checker.check, answer, evidence, question),
@@ -127,6 +130,7 @@ class AnswerSteps:
                 )
             except Exception as exc:
                 check = AnswerCheck("error", None, reason=f"the check failed: {type(exc).__name__}: {exc}")
+            span.outcome = check.status if check.grounded is None else "grounded" if check.grounded else "ungrounded"
         policy = self.settings.on_ungrounded
         outcome = outcome_of(check, policy)
         trace.grounded = check.grounded

@@ -1,9 +1,9 @@
-"""``CorrectiveQueryEngine.from_defaults``: the engine wired from what the user already has.
+"""``CorrectiveRetriever.from_defaults``: the corrective retriever wired from what the user already has.
 
 Given an index, a retriever, nodes or a vector store, it chooses the scorer (``scorers.registry``),
 resolves the settings (argument > ``CRAG_*`` environment > calibration file), loads the
-calibrated scorer state, and builds the grader, refiner, fallback (with the web where asked),
-rewriter and synthesizer the loop uses.
+calibrated scorer state, and builds the grader, refiner, fallback (with the web where asked) and
+rewriter the loop uses. ``CorrectiveQueryEngine.from_defaults`` adds the answer step's synthesizer.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.indices.base import BaseIndex
-from llama_index.core.llms import LLM, MockLLM
+from llama_index.core.llms import LLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
 from llama_index.core.schema import BaseNode, MetadataMode
 from llama_index.core.settings import Settings
 
@@ -26,7 +25,6 @@ from llama_index_crag.core.grader import RelevanceGrader
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
-from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.registry import default_scorer
 from llama_index_crag.settings_sources import read_calibration
@@ -35,11 +33,11 @@ from llama_index_crag.web.retriever import WebSearchRetriever
 from llama_index_crag.web.settings import WebSearchSettings
 
 if TYPE_CHECKING:
-    from llama_index_crag.core.engine import CorrectiveQueryEngine
+    from llama_index_crag.core.retriever import CorrectiveRetriever
 
 
-def from_defaults(
-    cls: Type[CorrectiveQueryEngine],
+def corrective_retriever(
+    cls: Type[CorrectiveRetriever],
     index: Optional[BaseIndex] = None,
     retriever: Optional[BaseRetriever] = None,
     nodes: Optional[Sequence[BaseNode]] = None,
@@ -47,9 +45,6 @@ def from_defaults(
     scorer: Optional[RelevanceScorer] = None,
     embed_model: Optional[BaseEmbedding] = None,
     node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
-    response_synthesizer: Optional[BaseSynthesizer] = None,
-    response_mode: ResponseMode = ResponseMode.COMPACT,
-    streaming: bool = False,
     fallback: Optional[BaseRetriever] = None,
     fallback_sources: Sequence[str] = ("bm25", "sentence_window"),
     web: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
@@ -57,8 +52,8 @@ def from_defaults(
     callback_manager: Optional[CallbackManager] = None,
     vector_store: Optional[Any] = None,
     **settings: Any,
-) -> CorrectiveQueryEngine:
-    """Build the engine around what the user already has.
+) -> CorrectiveRetriever:
+    """Build the corrective retriever around what the user already has.
 
     Give a ``vector_store`` (a ``PGVectorStore`` or ``postgresql://`` URL filled by
     ``llama-crag ingest --store``: retrieval, fallback and word statistics then stay in
@@ -91,7 +86,8 @@ def from_defaults(
         )
         retriever, fallback, scorer = parts.retriever, parts.fallback, parts.scorer
         embed_model, node_postprocessors = parts.embed_model, parts.postprocessors
-    llm = llm or _settings_llm()
+    llm = llm or settings_llm()
+    callback_manager = callback_manager or Settings.callback_manager  # every part reports to the same handlers
     unknown = set(settings) - set(CragSettings.model_fields)
     if unknown:
         raise TypeError(f"unknown settings {sorted(unknown)}; see CragSettings for the names")
@@ -113,42 +109,38 @@ def from_defaults(
         scorer_name=scorer.name,
         scorer_defaults=scorer.default_thresholds,
     )
-    if not resolved.enabled and llm is None and response_synthesizer is None:
-        # Quoting is CRAG's answer step; with CRAG off there is nothing to answer with but a generator, and
-        # LlamaIndex's stand-in (MockLLM) would hand back its prompt as the answer.
-        raise ConfigError(
-            "CRAG off (enabled=False or CRAG_ENABLED=false) is plain retrieve-then-generate and needs a generator: "
-            "pass llm= or set Settings.llm (llama-crag: serve --llm llamacpp, demo --generate); without one, keep CRAG "
-            "on and the engine answers by quoting"
-        )
     if index is None and retriever is None:
         if nodes is None:
             raise ValueError("give the engine something to search: index=, retriever= or nodes=")
         from llama_index.core import VectorStoreIndex
 
-        from llama_index_crag.local.models import default_embed_model
+        from llama_index_crag.local.models import settings_or_default_embed_model
 
-        index = VectorStoreIndex(list(nodes), embed_model=embed_model or default_embed_model())
+        index = VectorStoreIndex(list(nodes), embed_model=embed_model or settings_or_default_embed_model())
     if retriever is None:
         assert index is not None
-        retriever = index.as_retriever(similarity_top_k=resolved.similarity_top_k)
+        retriever = index.as_retriever(similarity_top_k=resolved.similarity_top_k)  # with the index's callback manager
     web_settings = WebSearchSettings.resolve(web)
     if fallback is None:
         if nodes and any(n.get_content().strip() for n in nodes):
             fallback = FallbackRetriever.from_nodes(
-                nodes, sources=fallback_sources, similarity_top_k=resolved.similarity_top_k, embed_model=embed_model
+                nodes,
+                sources=fallback_sources,
+                similarity_top_k=resolved.similarity_top_k,
+                embed_model=embed_model,
+                callback_manager=callback_manager,
             )
         else:
-            fallback = FallbackRetriever({"primary": retriever}, similarity_top_k=resolved.similarity_top_k)
+            fallback = FallbackRetriever(
+                {"primary": retriever}, similarity_top_k=resolved.similarity_top_k, callback_manager=callback_manager
+            )
     if web_settings.enabled:
         fallback = FallbackRetriever.with_web(
             fallback,
             WebSearchRetriever(web_settings, scorer=scorer, strip_min_tokens=resolved.strip_min_tokens),
             similarity_top_k=resolved.similarity_top_k,
+            callback_manager=callback_manager,
         )
-    synthesizer = response_synthesizer or get_response_synthesizer(
-        llm=llm or MockLLM(), response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
-    )
     return cls(
         retriever=retriever,
         grader=RelevanceGrader(
@@ -158,21 +150,22 @@ def from_defaults(
             aggregation=resolved.aggregation,
             min_relevant=resolved.min_relevant,
             explain=resolved.explain,
+            callback_manager=callback_manager,
         ),
         refiner=StripRefiner(
             scorer,
             threshold=resolved.lower if resolved.strip_threshold is None else resolved.strip_threshold,
             strip_min_tokens=resolved.strip_min_tokens,
+            callback_manager=callback_manager,
         ),
         fallback=fallback,
         rewriter=QueryRewriter(llm) if llm is not None else None,
-        response_synthesizer=synthesizer,
         settings=resolved,
         node_postprocessors=node_postprocessors,
         callback_manager=callback_manager,
     )
 
 
-def _settings_llm() -> Optional[LLM]:
+def settings_llm() -> Optional[LLM]:
     """LlamaIndex's ``Settings.llm`` when one is set; None otherwise (the engine then quotes, never generates)."""
     return getattr(Settings, "_llm", None)

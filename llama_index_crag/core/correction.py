@@ -1,7 +1,7 @@
 """The correction steps of the loop: refine (AMBIGUOUS), rewrite and fall back (INCORRECT), grade again.
 
-``CorrectionSteps`` is mixed into ``CorrectiveQueryEngine``; each step is a generator that
-yields its I/O to the engine's driver (``core/driver.py``).
+``CorrectionSteps`` is mixed into ``CorrectiveRetriever``; each step is a generator that
+yields its I/O to a driver (``core/driver.py``) and runs in its own instrumentation span.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
-from llama_index_crag.core.trace import CragTrace, NodeGrade
+from llama_index_crag.core.trace import CragTrace, NodeGrade, step_span
 from llama_index_crag.errors import CorrectiveTimeout, RewriteError
 from llama_index_crag.text.cleaning import clean_nodes
 from llama_index_crag.web.retriever import WebSearchRetriever, collect_web_reports
 
 
 class CorrectionSteps:
-    """Refinement, rewrite, fallback and re-grading, for ``CorrectiveQueryEngine``."""
+    """Refinement, rewrite, fallback and re-grading, for ``CorrectiveRetriever``."""
 
     _grader: RelevanceGrader
     _refiner: StripRefiner
@@ -43,11 +43,13 @@ class CorrectionSteps:
     ) -> Generator[Io, Any, List[NodeWithScore]]:
         """AMBIGUOUS: keep the relevant strips of the candidates, optionally add fallback hits."""
         candidates = not_incorrect(nodes, grading) or nodes
-        with trace.timed("refine"):
+        with trace.timed("refine"), step_span("refine", candidates=len(candidates)) as span:
             refinement = yield Io(
                 bind(self._refiner.refine, query_bundle, candidates),
                 bind(self._refiner.arefine, query_bundle, candidates),
             )
+            span.outcome = "original" if refinement.used_original else "strips"
+            span.sizes.update(strips_kept=refinement.kept, strips_dropped=refinement.dropped)
         trace.strips_kept, trace.strips_dropped = refinement.kept, refinement.dropped
         trace.strips = [asdict(strip) for strip in refinement.strips]
         if refinement.used_original and self.settings.on_no_strips == "incorrect":
@@ -60,12 +62,13 @@ class CorrectionSteps:
                 search = query_bundle
                 if _searches_web(self._fallback) and self._rewriter is not None and self.settings.max_rewrites > 0:
                     rewriter = self._rewriter
-                    with trace.timed("rewrite"):
+                    with trace.timed("rewrite"), step_span("rewrite") as span:
                         rewritten = yield Io(
                             bind(rewriter.rewrite, query_bundle.query_str),
                             bind(rewriter.arewrite, query_bundle.query_str),
                             left(deadline),
                         )
+                        span.outcome = "llm"
                     trace.rewrites, trace.rewritten_query, search = 1, rewritten, QueryBundle(rewritten)
                 context += yield from self._fallback_hits(query_bundle, search, deadline, trace)
             except Exception as exc:
@@ -84,8 +87,9 @@ class CorrectionSteps:
         for attempt in range(max(1, s.max_rewrites)):
             if s.max_rewrites > 0:
                 try:
-                    with trace.timed("rewrite"):
+                    with trace.timed("rewrite"), step_span("rewrite", attempt=attempt + 1) as span:
                         search = yield from self._rewrite(search, query_bundle.query_str, trace, deadline)
+                        span.outcome = trace.rewrite_source
                 except CorrectiveTimeout:
                     trace.abstain(f"the query rewrite ran past the {s.correction_timeout_s:g} s correction budget")
                     return []
@@ -159,17 +163,21 @@ class CorrectionSteps:
         assert fallback is not None
         with collect_web_reports() as reports:
             try:
-                with trace.timed("fallback"):
+                with trace.timed("fallback"), step_span("fallback") as span:
                     hits = yield Io(bind(fallback.retrieve, search), bind(fallback.aretrieve, search), left(deadline))
-                hits = clean_nodes(hits)
+                    hits = clean_nodes(hits)
+                    span.outcome = "hits" if hits else "empty"
+                    span.sizes["hits"] = len(hits)
             finally:
                 trace.web.extend(report.to_dict() for report in reports)
         trace.fallback_sources = sorted({h.node.metadata.get(SOURCE_KEY, "fallback") for h in hits})
-        with trace.timed("regrade"):
+        with trace.timed("regrade"), step_span("regrade", candidates=len(hits)) as span:
             hits = yield from self._postprocess(hits, question, deadline)
             grading = yield Io(
                 bind(self._grader.grade, question, hits), bind(self._grader.agrade, question, hits), left(deadline)
             )
+            span.outcome = grading.verdict.value
+            span.sizes["kept"] = sum(label is not Verdict.INCORRECT for label in grading.labels)
         record(trace, hits, grading)
         trace.retry_score = grading.aggregate
         if grading.verdict is Verdict.INCORRECT:

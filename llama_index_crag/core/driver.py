@@ -1,7 +1,8 @@
 """The drivers of the corrective loop: it yields each piece of I/O, and a driver runs it sync or async.
 
-The loop (``CorrectiveQueryEngine._loop``) is one generator for both ``query`` and
-``aquery``: it yields an ``Io`` (how to do the step sync and async, and its time limit)
+The loop is one generator for both the sync and the async call (``CorrectiveRetriever.steps``
+for ``retrieve``/``aretrieve``, ``CorrectiveQueryEngine._loop``, which runs those steps and then
+the answer's, for ``query``/``aquery``): it yields an ``Io`` (how to do the step sync and async, and its time limit)
 and gets the result, or the error, sent back. ``drive`` runs the steps in the calling
 thread (a step with a limit in a daemon thread that is abandoned when the limit passes);
 ``adrive`` awaits them with ``asyncio.wait_for``. Both turn a step past its limit into
@@ -16,7 +17,7 @@ import contextvars
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, Generator, Generic, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.schema import NodeWithScore
@@ -34,18 +35,21 @@ class Io:
     timeout_s: Optional[float] = None
 
 
-Loop = Generator[Io, Any, Any]
+T = TypeVar("T")
+#: Steps of the loop (or of a part of it) that end with a ``T``: the retriever's end with its ``Correction``, the
+#: engine's with its response.
+Steps = Generator[Io, Any, T]
 Outcome = Tuple[Any, Optional[BaseException]]
 
 
 @dataclass
-class Done:
-    """The loop has finished with this response."""
+class Done(Generic[T]):
+    """The steps have finished with this value."""
 
-    response: RESPONSE_TYPE
+    value: T
 
 
-def advance(loop: Loop, outcome: Outcome) -> Union[Io, Done]:
+def advance(loop: Steps[T], outcome: Outcome) -> Union[Io, Done[T]]:
     """Hand the last step's result (or its error) back to the loop and get its next step."""
     value, error = outcome
     try:
@@ -54,19 +58,19 @@ def advance(loop: Loop, outcome: Outcome) -> Union[Io, Done]:
         return Done(done.value)
 
 
-def drive(loop: Loop) -> RESPONSE_TYPE:
-    """Run the loop's steps in this thread, each under its time limit; its response."""
+def drive(loop: Steps[T]) -> T:
+    """Run the steps in this thread, each under its time limit; what they end with."""
     outcome: Outcome = (None, None)
     while not isinstance(step := advance(loop, outcome), Done):
         try:
             outcome = (run_with_timeout(step.run, step.timeout_s), None)
         except Exception as exc:
             outcome = (None, exc)
-    return step.response
+    return step.value
 
 
-async def adrive(loop: Loop) -> RESPONSE_TYPE:
-    """Await the loop's steps, each under its time limit; its response."""
+async def adrive(loop: Steps[T]) -> T:
+    """Await the steps, each under its time limit; what they end with."""
     outcome: Outcome = (None, None)
     while not isinstance(step := advance(loop, outcome), Done):
         try:
@@ -80,7 +84,7 @@ async def adrive(loop: Loop) -> RESPONSE_TYPE:
             outcome = (None, CorrectiveTimeout())
         except Exception as exc:
             outcome = (None, exc)
-    return step.response
+    return step.value
 
 
 class _StepError(Exception):

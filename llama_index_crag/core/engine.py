@@ -1,46 +1,38 @@
-"""CorrectiveQueryEngine: retrieve, grade, then generate, refine, fall back or abstain."""
+"""CorrectiveQueryEngine: the corrective retriever's evidence, answered by quoting or generating, or an abstention."""
 
 from __future__ import annotations
 
 import copy
 import logging
-from typing import List, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence, Union
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
-from llama_index.core.base.response.schema import (
-    RESPONSE_TYPE,
-)
-from llama_index.core.callbacks import CallbackManager
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.base.response.schema import RESPONSE_TYPE
+from llama_index.core.callbacks import CallbackManager, CBEventType, EventPayload
+from llama_index.core.indices.base import BaseIndex
 from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.llms import LLM, MockLLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts.mixin import PromptMixin, PromptMixinType
-from llama_index.core.response_synthesizers import BaseSynthesizer
-from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
+from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
 
 from llama_index_crag.answers.extract import EvidenceQuoter
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.core.answering import AnswerSteps, QuotingPrompts
-from llama_index_crag.core.builder import from_defaults
-from llama_index_crag.core.correction import CorrectionSteps, not_incorrect, record
-from llama_index_crag.core.driver import (
-    Io,
-    Loop,
-    adrive,
-    bind,
-    check_when_streamed,
-    drive,
-    text_response,
-)
-from llama_index_crag.core.grader import RelevanceGrader, Verdict
+from llama_index_crag.core.builder import settings_llm
+from llama_index_crag.core.driver import Steps, adrive, check_when_streamed, drive, text_response
+from llama_index_crag.core.grader import RelevanceGrader
 from llama_index_crag.core.refiner import StripRefiner
-from llama_index_crag.core.rewrite import QueryRewriter
+from llama_index_crag.core.retriever import CorrectiveRetriever
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace
-from llama_index_crag.errors import InvalidQueryError
-from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
-from llama_index_crag.text.cleaning import clean_nodes, clean_text, is_blank
+from llama_index_crag.errors import ConfigError
+from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.web.settings import WebSearchSettings
 
 logger = logging.getLogger(__name__)
 
@@ -48,17 +40,21 @@ logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
 
 
-class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
-    """A query engine that grades retrieval before generating, and corrects or abstains.
+class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
+    """A query engine that grades retrieval before answering, and corrects or abstains.
 
-    The loop (see ``docs/loop.md``): retrieve; grade every candidate; then
+    Its ``CorrectiveRetriever`` runs the loop up to the answer (see ``docs/loop.md``):
+    retrieve; grade every candidate; then
 
-    * CORRECT: generate from the candidates not graded incorrect (no added model call);
+    * CORRECT: keep the candidates not graded incorrect (no added model call);
     * AMBIGUOUS: refine the candidates into their relevant knowledge strips, and
       optionally add graded fallback results (``hybrid``);
     * INCORRECT: rewrite the query (at most ``max_rewrites`` times), retrieve through
       the ``FallbackRetriever``, grade again against the user's question, and use the
       result if it clears ``lower``, else abstain.
+
+    The engine then answers from that evidence: it quotes it (``answer_mode="extract"``)
+    or generates with the stock synthesizer and checks the answer against it.
 
     With the opt-in web source (``web=``, see ``docs/web.md``) the generator's prompt
     quotes every source between ``<source>`` tags with its origin and URL, tells it
@@ -68,42 +64,25 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
     Every failure of the correction path ends in an abstention, never in an answer.
     The decision trace is in ``response.metadata["crag"]``. The sync and async paths
     run the same loop (``_loop``); only the driver that performs its I/O differs.
+    ``engine.retrieve`` and ``engine.aretrieve`` return what the corrective retriever does.
 
     Args:
-        retriever: Any LlamaIndex retriever.
-        grader: Scores and bands the candidates.
-        refiner: Knowledge-strip refinement for AMBIGUOUS.
-        fallback: The retrieval of the INCORRECT branch (and of ``hybrid``).
-        rewriter: The query rewrite of the INCORRECT branch.
+        retriever: The corrective retriever whose evidence is answered.
         response_synthesizer: The stock synthesizer that generates the answer.
-        settings: Resolved settings (see ``CragSettings.resolve``).
-        node_postprocessors: Run after retrieval and before grading (e.g. a reranker
-            whose scores the grader reuses).
+        callback_manager: Receives the ``query`` and ``retrieve`` callback events (by default the synthesizer's).
     """
 
     def __init__(
         self,
-        retriever: BaseRetriever,
-        grader: RelevanceGrader,
-        refiner: StripRefiner,
-        fallback: Optional[BaseRetriever],
-        rewriter: Optional[QueryRewriter],
+        retriever: CorrectiveRetriever,
         response_synthesizer: BaseSynthesizer,
-        settings: CragSettings,
-        node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
         callback_manager: Optional[CallbackManager] = None,
     ) -> None:
-        settings.check_parts(grader, refiner)  # one set of thresholds: the parts grade, the settings are read
         self._retriever = retriever
-        self._grader = grader
-        self._refiner = refiner
-        self._fallback = fallback
-        self._rewriter = rewriter
         self._synthesizer = response_synthesizer
-        self._postprocessors = list(node_postprocessors or [])
         self._quoting = None
         self._quoting_prompts = QuotingPrompts()
-        self.settings = settings
+        settings, grader, refiner = retriever.settings, retriever.grader, retriever.refiner
         #: "extract" or "generate": the setting, or when unset, what the generator allows (``default_answer_mode``).
         self.answer_mode = settings.answer_mode or default_answer_mode(getattr(response_synthesizer, "_llm", None))
         self._quoter = EvidenceQuoter(
@@ -118,8 +97,61 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
         )
         super().__init__(callback_manager=callback_manager or response_synthesizer.callback_manager)
 
-    #: Build the engine around what the user already has (``core/builder.py`` says how).
-    from_defaults = classmethod(from_defaults)
+    @classmethod
+    def from_defaults(
+        cls,
+        index: Optional[BaseIndex] = None,
+        retriever: Optional[BaseRetriever] = None,
+        nodes: Optional[Sequence[BaseNode]] = None,
+        llm: Optional[LLM] = None,
+        scorer: Optional[RelevanceScorer] = None,
+        embed_model: Optional[BaseEmbedding] = None,
+        node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
+        response_synthesizer: Optional[BaseSynthesizer] = None,
+        response_mode: ResponseMode = ResponseMode.COMPACT,
+        streaming: bool = False,
+        fallback: Optional[BaseRetriever] = None,
+        fallback_sources: Sequence[str] = ("bm25", "sentence_window"),
+        web: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
+        calibration_path: Optional[str] = None,
+        callback_manager: Optional[CallbackManager] = None,
+        vector_store: Optional[Any] = None,
+        **settings: Any,
+    ) -> CorrectiveQueryEngine:
+        """Build the engine around what the user already has: its ``CorrectiveRetriever`` and its answer step.
+
+        Every argument but ``response_synthesizer``, ``response_mode`` and ``streaming`` (the
+        answer step's) builds the corrective retriever, as ``CorrectiveRetriever.from_defaults`` says.
+        """
+        llm = llm or settings_llm()
+        corrective = CorrectiveRetriever.from_defaults(
+            index=index,
+            retriever=retriever,
+            nodes=nodes,
+            llm=llm,
+            scorer=scorer,
+            embed_model=embed_model,
+            node_postprocessors=node_postprocessors,
+            fallback=fallback,
+            fallback_sources=fallback_sources,
+            web=web,
+            calibration_path=calibration_path,
+            callback_manager=callback_manager,
+            vector_store=vector_store,
+            **settings,
+        )
+        if not corrective.settings.enabled and llm is None and response_synthesizer is None:
+            # Quoting is CRAG's answer step; with CRAG off there is nothing to answer with but a generator, and
+            # LlamaIndex's stand-in (MockLLM) would hand back its prompt as the answer.
+            raise ConfigError(
+                "CRAG off (enabled=False or CRAG_ENABLED=false) is plain retrieve-then-generate and needs a "
+                "generator: pass llm= or set Settings.llm (llama-crag: serve --llm llamacpp, demo --generate); "
+                "without one, keep CRAG on and the engine answers by quoting"
+            )
+        synthesizer = response_synthesizer or get_response_synthesizer(
+            llm=llm or MockLLM(), response_mode=response_mode, streaming=streaming, callback_manager=callback_manager
+        )
+        return cls(corrective, synthesizer, callback_manager=callback_manager)
 
     def variant(self, *, streaming: Optional[bool] = None, explain: Optional[bool] = None) -> CorrectiveQueryEngine:
         """This engine with another streaming or explain setting, sharing every part (retrievers, scorer, caches).
@@ -131,33 +163,26 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
         if streaming is not None and streaming != bool(getattr(synthesizer, "_streaming", False)):
             synthesizer = copy.copy(synthesizer)
             synthesizer._streaming = streaming  # type: ignore[attr-defined]
-        grader, settings = self._grader, self.settings
-        if explain is not None and explain != grader.explain:
-            grader = RelevanceGrader(
-                grader.scorer,
-                upper=grader.upper,
-                lower=grader.lower,
-                aggregation=grader.aggregation,
-                min_relevant=grader.min_relevant,
-                explain=explain,
-            )
-            settings = settings.model_copy(update={"explain": explain})
-        return type(self)(
-            retriever=self._retriever,
-            grader=grader,
-            refiner=self._refiner,
-            fallback=self._fallback,
-            rewriter=self._rewriter,
-            response_synthesizer=synthesizer,
-            settings=settings,
-            node_postprocessors=self._postprocessors,
-            callback_manager=self.callback_manager,
-        )
+        return type(self)(self._retriever.variant(explain=explain), synthesizer, self.callback_manager)
+
+    @property
+    def settings(self) -> CragSettings:
+        """The resolved settings, the corrective retriever's."""
+        return self._retriever.settings
+
+    @settings.setter
+    def settings(self, settings: CragSettings) -> None:
+        self._retriever = self._retriever.variant(settings=settings)  # a variant sharing the retriever keeps its own
+
+    @property
+    def retriever(self) -> CorrectiveRetriever:
+        """The corrective retriever; its ``retriever`` is the primary one."""
+        return self._retriever
 
     @property
     def fallback(self) -> Optional[BaseRetriever]:
         """The retrieval of the INCORRECT branch."""
-        return self._fallback
+        return self._retriever.fallback
 
     @property
     def synthesizer(self) -> BaseSynthesizer:
@@ -167,27 +192,30 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
     @property
     def grader(self) -> RelevanceGrader:
         """The grader that routes each query."""
-        return self._grader
+        return self._retriever.grader
 
     @property
     def refiner(self) -> StripRefiner:
         """The knowledge-strip refiner of the AMBIGUOUS branch."""
-        return self._refiner
-
-    @property
-    def retriever(self) -> BaseRetriever:
-        """The primary retriever."""
-        return self._retriever
+        return self._retriever.refiner
 
     def _get_prompt_modules(self) -> PromptMixinType:
         """The synthesizer's templates, the quoting templates for web sources, the rewrite prompt, and the
         scorer's prompts where it has any (the LLM judge's)."""
         modules: PromptMixinType = {"response_synthesizer": self._synthesizer, "quoting": self._quoting_prompts}
-        if self._rewriter is not None:
-            modules["rewrite"] = self._rewriter
-        if isinstance(self._grader.scorer, PromptMixin):
-            modules["scorer"] = self._grader.scorer
+        if self._retriever.rewriter is not None:
+            modules["rewrite"] = self._retriever.rewriter
+        if isinstance(self._retriever.grader.scorer, PromptMixin):
+            modules["scorer"] = self._retriever.grader.scorer
         return modules
+
+    def retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        """The corrective retriever's nodes for ``query_bundle``: the kept evidence, or the abstention statement."""
+        return self._retriever.retrieve(query_bundle)
+
+    async def aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        """Async ``retrieve``."""
+        return await self._retriever.aretrieve(query_bundle)
 
     @dispatcher.span
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
@@ -197,65 +225,48 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
     async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
         return await adrive(self._loop(query_bundle, is_async=True))
 
-    def _loop(self, query_bundle: QueryBundle, is_async: bool) -> Loop:
-        """The corrective loop for one query; yields its I/O to the sync or async driver."""
-        query_bundle = _checked_query(query_bundle, self.settings.max_query_chars)
+    def _loop(self, query_bundle: QueryBundle, is_async: bool) -> Steps[RESPONSE_TYPE]:
+        """The corrective loop for one query: the retriever's steps, then the answer step's."""
+        with self.callback_manager.event(
+            CBEventType.QUERY, payload={EventPayload.QUERY_STR: query_bundle.query_str}
+        ) as query_event:
+            with self.callback_manager.event(
+                CBEventType.RETRIEVE, payload={EventPayload.QUERY_STR: query_bundle.query_str}
+            ) as retrieve_event:
+                correction = yield from self._retriever.steps(query_bundle)
+                retrieve_event.on_end(payload={EventPayload.NODES: correction.nodes})
+            response = yield from self._answer(correction.query_bundle, correction.nodes, correction.trace, is_async)
+            query_event.on_end(payload={EventPayload.RESPONSE: response})
+        return response
+
+    def _answer(
+        self, query_bundle: QueryBundle, context: List[NodeWithScore], trace: CragTrace, is_async: bool
+    ) -> Steps[RESPONSE_TYPE]:
+        """The answer step: quote the evidence, or generate from it and check the answer; or abstain."""
         s = self.settings
-        trace = CragTrace(
-            query=query_bundle.query_str,
-            enabled=s.enabled,
-            scorer=self._grader.scorer.name,
-            upper=self._grader.upper,
-            lower=self._grader.lower,
-            aggregation=self._grader.aggregation,
-            strip_threshold=self._refiner.threshold,
-            warnings=list(self._grader.scorer.warnings),
-        )
-        with trace.timed("retrieve"):
-            nodes = yield Io(
-                lambda: self._retriever.retrieve(query_bundle), lambda: self._retriever.aretrieve(query_bundle)
-            )
-            nodes = clean_nodes(nodes)  # a retriever that does not embed can return text no tokenizer takes
-        if s.enabled:
-            reuse_retrieval_embeddings(self._grader.scorer, self._retriever, query_bundle, nodes)
-        with trace.timed("rerank"):
-            nodes = yield from self._postprocess(nodes, query_bundle, None)
-
-        context: List[NodeWithScore] = nodes
-        if s.enabled:
-            with trace.timed("grade"):
-                grading = yield Io(
-                    bind(self._grader.grade, query_bundle, nodes), bind(self._grader.agrade, query_bundle, nodes)
-                )
-            record(trace, nodes, grading)
-            trace.action = grading.verdict.value
-            if grading.verdict is Verdict.CORRECT:
-                context = not_incorrect(nodes, grading)
-            elif grading.verdict is Verdict.AMBIGUOUS:
-                context = yield from self._refine(query_bundle, nodes, grading, trace)
-            else:
-                context = yield from self._correct(query_bundle, trace)
-        if not context and not trace.abstained:
-            trace.abstain("no candidate passage survived retrieval and grading")
-
         streaming = bool(getattr(self._synthesizer, "_streaming", False))
         trace.answer_mode = self.answer_mode if s.enabled else "generate"
         response: Optional[RESPONSE_TYPE] = None
         if not trace.abstained and trace.answer_mode == "extract":
-            quoted = yield from self._quote(query_bundle, context, trace)
-            if quoted.quotes:
-                trace.answered_by = "extract"
-                response = text_response(quoted.text, context, streaming, is_async)
-            elif quoted.withheld:
-                trace.abstain(
-                    f"the best strips, read together, grade {quoted.grade:.3f} against the question, under the "
-                    f"quote threshold {self._quoter.answer_threshold:.3f}: they are on its subject but do not answer it"
-                )
-            else:
-                trace.abstain(
-                    "no strip of the graded passages clears the strip threshold and states what the question "
-                    "asks for (its kind of answer, and the figures and codes it names)"
-                )
+            with self.callback_manager.event(
+                CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_bundle.query_str}
+            ) as synthesize_event:
+                quoted = yield from self._quote(query_bundle, context, trace)
+                if quoted.quotes:
+                    trace.answered_by = "extract"
+                    response = text_response(quoted.text, context, streaming, is_async)
+                elif quoted.withheld:
+                    trace.abstain(
+                        f"the best strips, read together, grade {quoted.grade:.3f} against the question, under the "
+                        f"quote threshold {self._quoter.answer_threshold:.3f}: they are on its subject but do not "
+                        "answer it"
+                    )
+                else:
+                    trace.abstain(
+                        "no strip of the graded passages clears the strip threshold and states what the question "
+                        "asks for (its kind of answer, and the figures and codes it names)"
+                    )
+                synthesize_event.on_end(payload={EventPayload.RESPONSE: response})
         elif not trace.abstained:
             response = yield from self._generate(query_bundle, context, trace)
             trace.answered_by = "generate"
@@ -269,23 +280,3 @@ class CorrectiveQueryEngine(CorrectionSteps, AnswerSteps, BaseQueryEngine):
             check_when_streamed(response, self._stream_check(query_bundle, context, response))
         dispatcher.event(trace.action_event())
         return response
-
-
-def _checked_query(query_bundle: QueryBundle, max_chars: int) -> QueryBundle:
-    """The query with characters no store or tokenizer takes replaced (``clean_text``), or a clear error."""
-    query = clean_text(query_bundle.query_str or "")
-    if is_blank(query):
-        raise InvalidQueryError("the query is empty: ask a question")
-    if len(query_bundle.query_str) > max_chars:
-        raise InvalidQueryError(
-            f"the query is {len(query_bundle.query_str):,} characters, over the limit of {max_chars:,} "
-            "(raise max_query_chars or CRAG_MAX_QUERY_CHARS if this is intended)"
-        )
-    if query == query_bundle.query_str:
-        return query_bundle
-    return QueryBundle(
-        query,
-        image_path=query_bundle.image_path,
-        custom_embedding_strs=[clean_text(t) for t in query_bundle.custom_embedding_strs or []] or None,
-        embedding=query_bundle.embedding,
-    )

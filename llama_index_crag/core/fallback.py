@@ -56,6 +56,7 @@ class FallbackRetriever(BaseRetriever):
         embed_model: Optional[BaseEmbedding] = None,
         window_size: int = 3,
         mode: Mode = "chain",
+        callback_manager: Optional[CallbackManager] = None,
     ) -> FallbackRetriever:
         """Build the standard sources over the same nodes as the primary index.
 
@@ -84,10 +85,16 @@ class FallbackRetriever(BaseRetriever):
                     f"unknown fallback source {source!r}: use 'bm25' or 'sentence_window' "
                     "(the web source is added with FallbackRetriever.with_web, or web= on the engine)"
                 )
-        return cls(built, similarity_top_k=similarity_top_k, mode=mode)
+        return cls(built, similarity_top_k=similarity_top_k, mode=mode, callback_manager=callback_manager)
 
     @classmethod
-    def with_web(cls, base: BaseRetriever, web: WebSearchRetriever, similarity_top_k: int = 5) -> FallbackRetriever:
+    def with_web(
+        cls,
+        base: BaseRetriever,
+        web: WebSearchRetriever,
+        similarity_top_k: int = 5,
+        callback_manager: Optional[CallbackManager] = None,
+    ) -> FallbackRetriever:
         """``base``'s sources followed by the opt-in ``"web"`` source.
 
         The web's strips get room of their own (its ``max_strips``) on top of
@@ -97,7 +104,12 @@ class FallbackRetriever(BaseRetriever):
             sources, mode = {**base.retrievers, "web": web}, base.mode
         else:
             sources, mode = {"fallback": base, "web": web}, "chain"
-        return cls(sources, similarity_top_k=similarity_top_k + web.settings.max_strips, mode=mode)
+        return cls(
+            sources,
+            similarity_top_k=similarity_top_k + web.settings.max_strips,
+            mode=mode,
+            callback_manager=callback_manager or base.callback_manager,
+        )
 
     @classmethod
     def class_name(cls) -> str:

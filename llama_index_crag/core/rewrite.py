@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator, List, Optional
+
 from llama_index.core.bridge.pydantic import BaseModel, Field
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.llm import LLMStructuredPredictEndEvent, LLMStructuredPredictStartEvent
 from llama_index.core.llms import LLM
 from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.prompts.mixin import PromptDictType, PromptMixin, PromptMixinType
@@ -65,7 +72,8 @@ class QueryRewriter(PromptMixin):
     def rewrite(self, query: str) -> str:
         """Return the rewritten query or raise ``RewriteError``."""
         try:
-            result = self.llm.structured_predict(RewrittenQuery, self.prompt, query_str=query, query=query)
+            with _ended_on_failure():
+                result = self.llm.structured_predict(RewrittenQuery, self.prompt, query_str=query, query=query)
         except Exception as exc:
             raise self._failure(exc) from exc
         return _checked(query, result)
@@ -73,7 +81,8 @@ class QueryRewriter(PromptMixin):
     async def arewrite(self, query: str) -> str:
         """Async ``rewrite``: awaits the LLM."""
         try:
-            result = await self.llm.astructured_predict(RewrittenQuery, self.prompt, query_str=query, query=query)
+            with _ended_on_failure():
+                result = await self.llm.astructured_predict(RewrittenQuery, self.prompt, query_str=query, query=query)
         except Exception as exc:
             raise self._failure(exc) from exc
         return _checked(query, result)
@@ -86,6 +95,54 @@ class QueryRewriter(PromptMixin):
 
 def _checked_prompt(prompt: BasePromptTemplate) -> BasePromptTemplate:
     return checked_template(prompt, "the rewrite prompt", QUERY_VARIABLES, [QUERY_VARIABLES])
+
+
+#: The structured-prediction start events of the running rewrite that have had no end event yet (their span ids).
+_open_starts: ContextVar[Optional[List[Optional[str]]]] = ContextVar("crag_open_structured_predicts", default=None)
+
+
+class _StartWatcher(BaseEventHandler):
+    """Notes, for the rewrite running in this context, each structured-prediction start and end event."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CragStructuredPredictWatcher"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        opened = _open_starts.get()
+        if opened is None:
+            return
+        if isinstance(event, LLMStructuredPredictStartEvent):
+            opened.append(event.span_id)
+        elif isinstance(event, LLMStructuredPredictEndEvent) and opened:
+            opened.pop()
+
+
+_llm_dispatcher = get_dispatcher("llama_index.core.llms.llm")
+if not any(isinstance(h, _StartWatcher) for h in _llm_dispatcher.event_handlers):
+    _llm_dispatcher.add_event_handler(_StartWatcher())
+
+
+@contextmanager
+def _ended_on_failure() -> Iterator[None]:
+    """End every structured-prediction start event that a failing call left open.
+
+    ``LLM.structured_predict`` emits its start event, runs the program, and emits its end
+    event only when the program returns: output that fails to parse (a small model's
+    usual failure) raises between the two and leaves a start without its end for every
+    tracing tool. The end is emitted here, in the start's span, with no output. An LLM
+    whose own ``structured_predict`` emits no start (Ollama's JSON-schema mode) gets none.
+    """
+    opened: List[Optional[str]] = []
+    token = _open_starts.set(opened)
+    try:
+        yield
+    except Exception:
+        for span_id in reversed(opened):
+            _llm_dispatcher.event(LLMStructuredPredictEndEvent(output=None, span_id=span_id))
+        raise
+    finally:
+        _open_starts.reset(token)
 
 
 def _checked(query: str, result: object) -> str:

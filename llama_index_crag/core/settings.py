@@ -121,6 +121,13 @@ class CragSettings(OwnSources):
         pattern=r"\S",
         description="The answer given when the engine abstains.",
     )
+    abstain_context: str = Field(
+        default="The documents available do not answer this question: {reason}. Say that you do not know.",
+        min_length=1,
+        pattern=r"\S",
+        description="What CorrectiveRetriever returns, as the one node's text, when the loop abstains ({reason}: why); "
+        "an LLM downstream reads it in place of the rejected passages.",
+    )
 
     @model_validator(mode="after")
     def _ordered_thresholds(self) -> CragSettings:
@@ -195,7 +202,10 @@ class CragSettings(OwnSources):
             except ValidationError as exc:
                 if {e["loc"] for e in exc.errors() if e["type"] == "missing"} & {("upper",), ("lower",)}:
                     raise ConfigError(
-                        f"no thresholds for scorer {scorer_name!r}: pass upper= and lower=, set CRAG_UPPER and "
-                        "CRAG_LOWER, or give a calibration file (calibration_path= or CRAG_CALIBRATION)"
+                        f"no thresholds for scorer {scorer_name!r} (the shipped ones were fitted for the bundled "
+                        "all-MiniLM-L6-v2 embedding; another embedding model, passed or set as Settings.embed_model, "
+                        "needs its own): calibrate on your labelled questions (llama-crag calibrate --dataset DIR "
+                        "--out crag-calibration.json) and give the file (calibration_path= or CRAG_CALIBRATION), or "
+                        "pass upper= and lower= (CRAG_UPPER, CRAG_LOWER)"
                     ) from exc
                 raise ConfigError(f"invalid CRAG settings: {described(cls, exc, env)}") from exc

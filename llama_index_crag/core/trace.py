@@ -1,4 +1,4 @@
-"""The decision trace of one query and its instrumentation events.
+"""The decision trace of one query, its instrumentation events, and the span of each corrective step.
 
 The library registers no metric: Prometheus counts these events where a program installs
 ``llama_index_crag.server.metrics.PrometheusEventHandler`` (the server does).
@@ -6,12 +6,16 @@ The library registers no metric: Prometheus counts these events where a program 
 
 from __future__ import annotations
 
+import inspect
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
+from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.base import BaseEvent
+from llama_index.core.instrumentation.span import active_span_id
 
 STAGES = ("retrieve", "rerank", "grade", "refine", "rewrite", "fallback", "regrade", "generate", "extract", "check")
 CORRECTION_STAGES = ("grade", "refine", "rewrite", "fallback", "regrade", "check")
@@ -48,6 +52,71 @@ class CragActionEvent(BaseEvent):
     @classmethod
     def class_name(cls) -> str:
         return "CragActionEvent"
+
+
+class CragStepEvent(BaseEvent):
+    """Emitted at the end of each corrective step, inside the step's span: what it decided and on how much."""
+
+    step: str
+    outcome: Optional[str] = None
+    #: Counts in and out of the step (candidates, kept, hits, strips, quotes ...).
+    sizes: Dict[str, int] = {}
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CragStepEvent"
+
+
+@dataclass
+class StepRecord:
+    """What a corrective step reports about itself: its outcome and sizes (the span's result and its event)."""
+
+    step: str
+    outcome: Optional[str] = None
+    sizes: Dict[str, int] = field(default_factory=dict)
+
+
+dispatcher = get_dispatcher(__name__)
+
+#: The signature span handlers see for a step span: its name and its input sizes.
+_STEP_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter("step", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("sizes", inspect.Parameter.VAR_KEYWORD),
+    ]
+)
+
+
+@contextmanager
+def step_span(step: str, **sizes: int) -> Iterator[StepRecord]:
+    """An instrumentation span for one corrective step (``CorrectiveStep.<step>-<uuid>``), around the block.
+
+    The loop is a generator whose I/O runs in a driver, so no decorated function spans a
+    step: the span is entered and left here, and made the active span so that the
+    model calls and retrievals inside the step are its children. The block sets the
+    record's ``outcome`` and ``sizes``; on exit they go to span handlers as the span's
+    result and to event handlers as a ``CragStepEvent`` inside the span. A step that
+    raises drops its span with the error.
+    """
+    id_ = f"CorrectiveStep.{step}-{uuid.uuid4()}"
+    bound = _STEP_SIGNATURE.bind(step, **sizes)
+    token = active_span_id.set(id_)
+    parent = token.old_value if isinstance(token.old_value, str) else None
+    dispatcher.span_enter(id_=id_, bound_args=bound, parent_id=parent, tags={"crag.step": step})
+    record = StepRecord(step, sizes=dict(sizes))
+    try:
+        yield record
+    except BaseException as exc:
+        dispatcher.span_drop(id_=id_, bound_args=bound, err=exc)
+        raise
+    else:
+        dispatcher.event(CragStepEvent(step=step, outcome=record.outcome, sizes=record.sizes))
+        dispatcher.span_exit(id_=id_, bound_args=bound, result=record)
+    finally:
+        try:
+            active_span_id.reset(token)
+        except ValueError:  # a loop abandoned and closed from another context: that context keeps its own span
+            pass
 
 
 @dataclass

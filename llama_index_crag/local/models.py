@@ -9,6 +9,7 @@ from typing import Any, Optional, Tuple
 import httpx
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.llms import LLM
+from llama_index.core.settings import Settings
 
 from llama_index_crag.local.bundled import bundled_embedding_path, bundled_gguf_path
 from llama_index_crag.local.portable import require_generation
@@ -23,6 +24,14 @@ def default_embed_model() -> BaseEmbedding:
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
     return HuggingFaceEmbedding(model_name=str(bundled_embedding_path()), device="cpu", show_progress_bar=False)
+
+
+def settings_or_default_embed_model() -> BaseEmbedding:
+    """``Settings.embed_model`` when one is set, else the bundled MiniLM: the model used wherever none is passed.
+
+    ``Settings._embed_model`` is read: the public property resolves (and imports) OpenAI's default when none is set.
+    """
+    return getattr(Settings, "_embed_model", None) or default_embed_model()
 
 
 def describe_llm(llm: Any) -> str:

@@ -25,7 +25,8 @@ class BiEncoderScorer(RelevanceScorer):
     seeds the cache with embeddings an index already holds.
 
     Args:
-        embed_model: Any LlamaIndex embedding model; defaults to the bundled MiniLM.
+        embed_model: Any LlamaIndex embedding model; defaults to ``Settings.embed_model`` when one is set,
+            else the bundled MiniLM. The shipped thresholds are the bundled MiniLM's: another model has none.
         cache_size: How many passage embeddings to keep.
     """
 
@@ -36,9 +37,9 @@ class BiEncoderScorer(RelevanceScorer):
 
     def __init__(self, embed_model: Optional[BaseEmbedding] = None, cache_size: int = 50_000) -> None:
         from llama_index_crag.local.bundled import bundled_embedding_path
-        from llama_index_crag.local.models import default_embed_model
+        from llama_index_crag.local.models import settings_or_default_embed_model
 
-        self.embed_model = embed_model or default_embed_model()
+        self.embed_model = embed_model or settings_or_default_embed_model()
         self.default_thresholds: Optional[Dict[str, float]] = None
         self.name = f"bi-encoder:{self.embed_model.model_name}"
         if self.embed_model.model_name == str(bundled_embedding_path()):

@@ -163,7 +163,7 @@ class ReaderScorer(EvidenceScorer):
         self.settled = 0
         if self.info.get("stack"):
             self.load_state(self.info["stack"])
-        if self.info.get("thresholds"):
+        if self.info.get("thresholds") and self.default_thresholds is not None:  # fitted with the bundled MiniLM
             self.default_thresholds = {k: float(v) for k, v in self.info["thresholds"].items()}
         self._threads = threads
         self._read: Dict[Tuple[str, str], float] = {}

@@ -94,13 +94,13 @@ class SentenceWindowRetriever(BaseRetriever):
     def _inner(self) -> BaseRetriever:
         with self._lock:
             if self._index_retriever is None:
-                from llama_index_crag.local.models import default_embed_model
+                from llama_index_crag.local.models import settings_or_default_embed_model
 
                 # One contiguous matrix product over every window (tens of ms on SciFact's 47,578 windows,
                 # against about two seconds through SimpleVectorStore's per-vector loop).
                 self._index_retriever = MatrixRetriever(
                     sentence_windows(self._nodes, self._window_size),
-                    self._embed_model or default_embed_model(),
+                    self._embed_model or settings_or_default_embed_model(),
                     self._top_k * 2,
                 )
             return self._index_retriever
