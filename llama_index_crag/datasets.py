@@ -16,6 +16,9 @@ from llama_index_crag.errors import DatasetError
 from llama_index_crag.text.cleaning import clean_text
 
 SAMPLE_DIR = Path(__file__).parent / "data"
+#: The halves of a question set (``split_of``): every threshold, weight and rule is fitted or chosen on ``design``, and
+#: every figure reported from ``check``; ``all`` is the whole set.
+SPLITS = ("design", "check", "all")
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,11 @@ def _texts(row: dict, where: str, name: str) -> List[str]:
     return [str(v) for v in value]
 
 
-def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
-    """The corpus as LlamaIndex documents: ``doc_id`` as id and metadata (hidden from models), ``title`` shown."""
+def load_documents(folder: Path | str = SAMPLE_DIR, split: str = "all") -> List[Document]:
+    """The corpus as LlamaIndex documents: ``doc_id`` as id and metadata (hidden from models), ``title`` shown.
+
+    ``split`` ``design`` or ``check`` keeps the documents of that half (``Halves``), ``all`` every one."""
+    halves = Halves.of(folder, split)
     documents: List[Document] = []
     seen: Dict[str, str] = {}
     for where, row in numbered_rows(Path(folder) / "corpus.jsonl"):
@@ -91,6 +97,8 @@ def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
         text = row.get("text")
         if not isinstance(text, str):
             raise DatasetError(f"{where} has no 'text' string (document {doc_id!r})")
+        if not halves.keeps_document(doc_id):
+            continue
         metadata = {"doc_id": doc_id}
         if row.get("title"):
             metadata["title"] = clean_text(str(row["title"]))
@@ -106,8 +114,19 @@ def load_documents(folder: Path | str = SAMPLE_DIR) -> List[Document]:
     return documents
 
 
-def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
-    """The labelled questions (SciFact's ``claim`` is read as the question); a repeated ``qid`` is refused."""
+def load_questions(folder: Path | str = SAMPLE_DIR, split: str = "all") -> List[Question]:
+    """The labelled questions (SciFact's ``claim`` is read as the question); a repeated ``qid`` is refused.
+
+    ``split`` ``design`` or ``check`` keeps the questions of that half (``Halves``), ``all`` every one."""
+    questions = _all_questions(Path(folder))
+    if split == "all":
+        return questions
+    halves = Halves.of_questions(questions, split)
+    return [q for q in questions if halves.keeps_question(q)]
+
+
+def _all_questions(folder: Path) -> List[Question]:
+    """Every question of ``folder``, checked."""
     questions = [
         Question(
             qid=text_field(row, where, "qid"),
@@ -124,6 +143,67 @@ def load_questions(folder: Path | str = SAMPLE_DIR) -> List[Question]:
     if repeated:
         raise DatasetError(f"{Path(folder) / 'questions.jsonl'} repeats qid {', '.join(map(repr, repeated[:5]))}")
     return questions
+
+
+def half_of(key: str) -> str:
+    """The half a key falls in, ``design`` or ``check``: a hash, the same on every machine and in every run."""
+    return SPLITS[hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()[0] & 1]
+
+
+@dataclass(frozen=True)
+class Halves:
+    """A question set cut in two by document, so that a question and its passages are always on the same side.
+
+    Documents that some question names together (``relevant_doc_ids``) form one group, and a group falls in the
+    half of its smallest ``doc_id`` (``half_of``); a document no question names falls by its own id, and a question
+    that names no document (a claim with no evidence) by its ``qid``. Fitting on ``design`` and reporting ``check``
+    shows what a threshold, weight or rule learned from the rows it was chosen on.
+    """
+
+    split: str
+    groups: Dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, folder: Path | str, split: str) -> Halves:
+        """The halves of the question set in ``folder`` (nothing is read for ``all``)."""
+        path = Path(folder) / "questions.jsonl"
+        return cls.of_questions(_all_questions(Path(folder)) if split != "all" and path.exists() else [], split)
+
+    @classmethod
+    def of_questions(cls, questions: List[Question], split: str) -> Halves:
+        """The halves that ``questions`` make of their documents."""
+        if split not in SPLITS:
+            raise DatasetError(f"unknown split {split!r}: choose {', '.join(SPLITS)}")
+        parent: Dict[str, str] = {}
+
+        def root(doc: str) -> str:
+            while parent.setdefault(doc, doc) != doc:
+                parent[doc] = parent[parent[doc]]
+                doc = parent[doc]
+            return doc
+
+        for question in questions:
+            for doc in question.relevant_doc_ids[1:]:
+                first, other = root(question.relevant_doc_ids[0]), root(doc)
+                if first != other:
+                    parent[max(first, other)] = min(first, other)
+        return cls(split, {doc: root(doc) for doc in list(parent)})
+
+    def half_of_document(self, doc_id: str) -> str:
+        """The half ``doc_id`` falls in, with its group."""
+        return half_of(self.groups.get(doc_id, doc_id))
+
+    def keeps_document(self, doc_id: str) -> bool:
+        """Whether ``doc_id`` belongs to this split."""
+        return self.split == "all" or self.half_of_document(doc_id) == self.split
+
+    def keeps_question(self, question: Question) -> bool:
+        """Whether ``question`` belongs to this split: with its documents, or by its ``qid`` when it names none."""
+        if self.split == "all":
+            return True
+        if question.relevant_doc_ids:
+            return self.half_of_document(question.relevant_doc_ids[0]) == self.split
+        return half_of(f"question:{question.qid}") == self.split
 
 
 def normalise_text(text: str) -> str:

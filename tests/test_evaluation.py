@@ -16,7 +16,8 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag import FallbackRetriever
 from llama_index_crag.cli import main
-from llama_index_crag.datasets import Question
+from llama_index_crag.datasets import Halves, Question, half_of, load_documents, load_questions
+from llama_index_crag.errors import DatasetError
 from llama_index_crag.evaluation.corpus import EvalCorpus
 from llama_index_crag.evaluation.dataset import EvalQuestion, load_eval_questions
 from llama_index_crag.evaluation.generator import SKIPPED_ANSWER, MeteredLLM
@@ -555,3 +556,48 @@ def test_a_policy_applied_to_a_flag_run_changes_only_the_flagged_answers() -> No
     assert [truthfulness(r) for r in extracted] == [1, 1, 0, 0]
     with pytest.raises(ValueError, match="unknown policy"):
         apply_policy(flagged, quoted, "ignore")
+
+
+# --- design and check halves -------------------------------------------------------------------------------------
+
+
+def test_the_halves_cut_by_document_keep_a_question_with_its_documents_and_cover_the_set(dataset: Path) -> None:
+    halves = {split: (load_documents(dataset, split), load_questions(dataset, split)) for split in ("design", "check")}
+    documents = [d.doc_id for docs, _ in halves.values() for d in docs]
+    assert sorted(documents) == sorted(DOCS) and len(set(documents)) == len(DOCS)
+    assert sorted(q.qid for _, qs in halves.values() for q in qs) == [q["qid"] for q in QUESTIONS]
+    for docs, questions in halves.values():
+        ids = {d.doc_id for d in docs}
+        assert all(set(q.relevant_doc_ids) <= ids for q in questions)
+    # The cut is a hash: the same in every run and on every machine.
+    assert [half_of(d) for d in sorted(DOCS)] == [half_of(d) for d in sorted(DOCS)]
+    assert load_documents(dataset, "all") == load_documents(dataset)
+
+
+def test_documents_one_question_names_together_fall_in_one_half() -> None:
+    questions = [
+        Question("q1", "a?", relevant_doc_ids=["d1", "d2"]),
+        Question("q2", "b?", relevant_doc_ids=["d2", "d3"]),
+        Question("q3", "c?", relevant_doc_ids=["d9"]),
+    ]
+    halves = Halves.of_questions(questions, "check")
+    assert len({halves.half_of_document(d) for d in ("d1", "d2", "d3")}) == 1
+    assert halves.half_of_document("d1") == half_of("d1")  # the group falls by its smallest id
+    assert [halves.keeps_question(q) for q in questions[:2]] == [halves.keeps_document("d3")] * 2
+    with pytest.raises(DatasetError, match="unknown split 'test'"):
+        Halves.of_questions(questions, "test")
+
+
+def test_eval_on_a_half_indexes_and_asks_only_that_half(dataset: Path, tmp_path: Path) -> None:
+    config = EvalConfig(
+        dataset=dataset, out=tmp_path / "out", systems=["crag"], split="design", generate=False, progress=False,
+        cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+    results = run_evaluation(config, ScriptedLLM())
+    asked = {r["qid"] for r in results["rows"]}
+    assert {"q1", "q2", "q3"} <= asked and len(load_documents(dataset, "design")) < len(DOCS)
+    assert asked == {q.qid for q in load_questions(dataset, "design")}
+    assert results["meta"]["dataset"]["documents"] == len(load_documents(dataset, "design"))
+    assert results["meta"]["dataset"]["split"] == "design" and "--split design" in results["meta"]["command"]
+    indexed = {d for r in results["rows"] for d in r["context_doc_ids"]}
+    assert indexed <= {d.doc_id for d in load_documents(dataset, "design")}

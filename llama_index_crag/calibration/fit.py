@@ -73,22 +73,23 @@ def labelled_batches(
     limit: Optional[int] = None,
     progress: bool = True,
     cache_dir: Path = DEFAULT_CACHE_DIR,
+    split: str = "all",
 ) -> LabelledSet:
     """Dense top-``k`` candidates for every question, labelled by the out-of-corpus protocol.
 
     Each answerable question gives an in-corpus batch (when retrieval found a gold
     passage) and an out-of-corpus batch (the top ``k`` once the gold passages are
     dropped, as if the index had been built without them); each unanswerable question
-    gives one batch.
+    gives one batch. ``split`` keeps one half of the set, its documents and questions (``datasets.Halves``).
     """
     from llama_index_crag.local.models import default_embed_model
 
     folder = Path(folder)
     embed_model = embed_model or default_embed_model()
-    documents = load_documents(folder)
+    documents = load_documents(folder, split)
     texts = [d.get_content(metadata_mode=MetadataMode.EMBED) for d in documents]
     ids = [d.doc_id for d in documents]
-    questions = load_questions(folder)[:limit]
+    questions = load_questions(folder, split)[:limit]
     if not documents or not questions:
         raise DatasetError(f"{folder} holds no {'documents' if not documents else 'questions'}: nothing to measure")
     matrix = unit_vectors(corpus_cache(embed_model, folder / "corpus.jsonl", cache_dir, progress), texts)

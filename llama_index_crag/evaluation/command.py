@@ -8,6 +8,7 @@ from typing import Any
 
 from llama_index_crag.answers.policy import ANSWER_MODES, ON_UNGROUNDED
 from llama_index_crag.arguments import http_url, positive_int
+from llama_index_crag.datasets import SPLITS
 from llama_index_crag.evaluation import SYSTEM_NAMES
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 from llama_index_crag.scorers.registry import SPECS, check_spec
@@ -29,7 +30,16 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
         help=f"comma-separated, from {', '.join(SYSTEM_NAMES)} (default: all)",
     )
     parser.add_argument("--limit", type=positive_int, default=None, help="ask only the first N questions")
-    parser.add_argument("--out", default=None, help="output folder (default: eval-out/<dataset name>)")
+    parser.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="all",
+        help="design or check: one half of the set, its documents and their questions, cut by document (choose on "
+        "design, report check); all: the whole set (default: all)",
+    )
+    parser.add_argument(
+        "--out", default=None, help="output folder (default: eval-out/<dataset name>, with -<split> for a half)"
+    )
     parser.add_argument(
         "--no-generate",
         action="store_true",
@@ -77,7 +87,8 @@ def _eval(args: argparse.Namespace) -> int:
     dataset = Path(args.dataset)
     config = EvalConfig(
         dataset=dataset,
-        out=Path(args.out or Path("eval-out") / dataset.name),
+        out=Path(args.out or Path("eval-out") / (dataset.name + ("" if args.split == "all" else f"-{args.split}"))),
+        split=args.split,
         systems=[s.strip() for s in args.systems.split(",") if s.strip()],
         limit=args.limit,
         generate=not args.no_generate,

@@ -90,13 +90,15 @@ class EvalCorpus:
         top_k: int,
         embed_model: Optional[BaseEmbedding] = None,
         progress: bool = False,
+        split: str = "all",
     ) -> EvalCorpus:
-        """Chunk, embed (through the cache) and index the corpus, and build and warm the fallback."""
+        """Chunk, embed (through the cache) and index the corpus (one half of it, ``datasets.Halves``), and build and
+        warm the fallback."""
         from llama_index_crag.local.models import default_embed_model
 
         inner = embed_model or default_embed_model()
         cached = corpus_cache(inner, Path(folder) / "corpus.jsonl", cache_dir, progress)
-        nodes = chunk(load_documents(folder))
+        nodes = chunk(load_documents(folder, split))
         index = VectorStoreIndex(nodes, embed_model=cached, show_progress=progress)
         per_doc = Counter(n.metadata.get("doc_id") for n in nodes)
         margin = max((sum(per_doc[d] for d in q.question.relevant_doc_ids) for q in questions), default=0)

@@ -65,10 +65,11 @@ def quotes_any(quotes: Sequence[str], sentences: Tuple[str, ...]) -> Optional[bo
     return False
 
 
-def load_eval_questions(folder: Path | str) -> List[EvalQuestion]:
-    """The questions of a dataset folder, each with its gold strings (see ``EvalQuestion``)."""
+def load_eval_questions(folder: Path | str, split: str = "all") -> List[EvalQuestion]:
+    """The questions of a dataset folder (of one half, ``datasets.Halves``), each with its gold strings (see
+    ``EvalQuestion``)."""
     folder = Path(folder)
-    questions = load_questions(folder)
+    questions = load_questions(folder, split)
     evidence = _evidence_sentences(folder) if any(q.answerable and not q.answers for q in questions) else {}
     return [EvalQuestion(q, tuple(q.answers) or evidence.get(q.qid, ())) for q in questions]
 

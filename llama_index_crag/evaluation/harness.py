@@ -52,6 +52,8 @@ class EvalConfig:
     out: Path
     systems: Sequence[str] = tuple(SYSTEMS)
     limit: Optional[int] = None
+    #: The half of the set asked (``datasets.Halves``): ``check`` for figures, ``design`` for choosing; or ``all``.
+    split: str = "all"
     generate: bool = True
     scorer: str = "evidence"
     calibration: Optional[Path] = None
@@ -98,6 +100,8 @@ class EvalConfig:
         parts = ["llama-crag", "eval", "--dataset", str(self.dataset), "--systems", ",".join(self.systems)]
         if self.limit is not None:
             parts += ["--limit", str(self.limit)]
+        if self.split != "all":
+            parts += ["--split", self.split]
         if not self.generate:
             parts.append("--no-generate")
         if self.scorer != "evidence":
@@ -122,6 +126,7 @@ class EvalConfig:
         dataset = Path(self.dataset)
         return {
             "dataset": content_hash(dataset / "corpus.jsonl", dataset / "questions.jsonl"),
+            "split": self.split,
             "generate": self.generate,
             "generator": self.llm_name,
             "scorer": self.scorer,
@@ -170,12 +175,17 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
     # The engine would choose by the generator it is given, and here that is the meter in front of it.
     config.generator_answer_mode = default_answer_mode(llm)
     out = Path(config.out)
-    questions = load_eval_questions(config.dataset)[: config.limit]
+    questions = load_eval_questions(config.dataset, config.split)[: config.limit]
     done = _resume(out, config.fingerprint(), config.fresh)
     count = count_tokens or generator_token_counter()
     started = time.perf_counter()
     corpus = EvalCorpus.build(
-        Path(config.dataset), questions, Path(config.cache_dir), config.top_k, progress=config.progress
+        Path(config.dataset),
+        questions,
+        Path(config.cache_dir),
+        config.top_k,
+        progress=config.progress,
+        split=config.split,
     )
     generator = MeteredLLM(llm, count, generate=config.generate)
     parts = SystemParts(
@@ -225,6 +235,7 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
             "dataset": {
                 "path": str(config.dataset),
+                "split": config.split,
                 "documents": len({n.metadata.get("doc_id") for n in corpus.nodes}),
                 "chunks": len(corpus.nodes),
                 "questions": len(questions),
