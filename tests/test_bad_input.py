@@ -8,7 +8,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from llama_index.core import VectorStoreIndex
@@ -21,6 +21,7 @@ from llama_index_crag import CorrectiveQueryEngine, GenerationError, InvalidQuer
 from llama_index_crag.cli import main
 from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.errors import ConfigError
+from llama_index_crag.scorers.language import foreign_language
 from llama_index_crag.text.cleaning import clean_text
 
 from .conftest import ALPHA, BETA, FixedRetriever, ScriptedLLM
@@ -71,6 +72,30 @@ def test_clean_text_keeps_text_and_replaces_what_stores_and_codecs_refuse(text: 
 async def test_empty_query_is_refused_async(engine: CorrectiveQueryEngine) -> None:
     with pytest.raises(InvalidQueryError):
         await engine.aquery(" ")
+
+
+@pytest.mark.parametrize(
+    ("question", "language"),
+    [
+        ("Wer ist der Geschäftsführer von Harbor Analytics?", "German"),
+        ("Quand le bureau de Singapour a-t-il ouvert?", "French"),
+        ("谁是Harbor Analytics的首席执行官?", "a non-Latin script"),
+        ("Who is the CEO of Harbor Analytics?", None),
+        ("who was charles de gaulle", None),
+        ("Tirasemtiv targets cardiac muscle.", None),
+    ],
+)
+def test_a_question_in_another_language_is_named(question: str, language: Optional[str]) -> None:
+    assert foreign_language(question) == language
+
+
+def test_a_question_the_bundled_models_cannot_read_gets_a_warning_naming_the_cause(
+    engine: CorrectiveQueryEngine,
+) -> None:
+    trace = engine.query("Wer ist der Geschäftsführer von Harbor Analytics?").metadata["crag"]
+    assert any("seems written in German" in w and "multilingual embed_model" in w for w in trace["warnings"])
+    english = engine.query("Who is the CEO of Harbor Analytics?").metadata["crag"]
+    assert not any("seems written in" in w for w in english["warnings"])
 
 
 def test_a_100k_character_query_is_refused_with_the_limit_named(engine: CorrectiveQueryEngine) -> None:

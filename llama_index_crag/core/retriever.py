@@ -22,6 +22,7 @@ from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace, step_span
 from llama_index_crag.errors import InvalidQueryError
 from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
+from llama_index_crag.scorers.language import language_warning
 from llama_index_crag.text.cleaning import clean_nodes, clean_text, is_blank
 
 #: Metadata key of every node the retriever returns: the decision trace of the call (``CragTrace.to_dict()``,
@@ -157,6 +158,8 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
             strip_threshold=self._refiner.threshold,
             warnings=list(self._grader.scorer.warnings),
         )
+        if s.enabled and (warning := language_warning(query_bundle.query_str, self._grader.scorer)):
+            trace.warnings.append(warning)
         with trace.timed("retrieve"):
             nodes = yield Io(
                 lambda: self._retriever.retrieve(query_bundle), lambda: self._retriever.aretrieve(query_bundle)
