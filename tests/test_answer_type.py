@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from llama_index_crag.scorers.answer_type import answer_type, asked_kinds, constraints, turned_round
+from llama_index_crag.scorers.answer_type import answer_type, asked_kinds, constraints, holds_kind, turned_round
 from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer
 
 BRIDGE_DATE = "The Kestrel Bridge in Farrow opened in 1887."
@@ -55,6 +55,24 @@ def test_until_when_is_answered_by_a_date_or_an_event_so_it_asks_for_no_kind() -
     # SQuAD 2.0: "The price of oil is usually a stable commodity until when?" -> "the oil shock".
     assert asked_kinds("The price of oil is usually a stable commodity until when?") is None
     assert asked_kinds("The office stayed open till when?") is None
+
+
+@pytest.mark.parametrize(
+    ("question", "text", "holds"),
+    [
+        ("how many people died in the fire", "Over fifty people died in the fire.", True),
+        ("How many people died in the fire?", "Hundreds of people died in the fire.", True),
+        ("How many people died in the fire?", "Thirty-two people died in the fire.", True),
+        ("How long did the siege last?", "The siege lasted forty-five days.", True),
+        # "how many days" asks for a duration: a date's day is not one.
+        ("how many days did the warsaw uprising last", "The struggle went on for 63 days.", True),
+        ("how many days did the warsaw uprising last", "On 1 August 1944 the Warsaw Uprising began.", False),
+        ("How many people died in the fire?", "The fire destroyed the old town.", False),
+    ],
+)
+def test_a_number_written_in_words_is_a_number(question: str, text: str, holds: bool) -> None:
+    kinds = asked_kinds(question)
+    assert kinds is not None and holds_kind(kinds, text, question) is holds
 
 
 def test_a_length_asked_and_only_a_date_present_is_not_an_answer() -> None:

@@ -14,7 +14,12 @@ import re
 from functools import lru_cache
 from typing import Dict, FrozenSet, Optional, Tuple
 
-_NUM = r"(?:\d[\d,]*(?:\.\d+)?|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|a few|several|a dozen)"
+_NUM = (
+    r"(?:\d[\d,]*(?:\.\d+)?|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen"
+    r"|fifteen|sixteen|seventeen|eighteen|nineteen|(?:twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety)"
+    r"(?:[- ](?:one|two|three|four|five|six|seven|eight|nine))?|(?:a |one )?(?:hundred|thousand|million|billion)s?"
+    r"|a few|several|a dozen|dozens)"
+)
 _MONTHS = (
     "january|february|march|april|may|june|july|august|september|october|november|december"
     "|jan|feb|mar|apr|jun|jul|aug|sep|sept|oct|nov|dec"
@@ -94,6 +99,7 @@ _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
             "amount",
         ),
         (r"\bhow much\b", "amount count percent length"),
+        (rf"\bhow many (?:{_DURATION_UNITS})\b", "duration"),
         (r"\bhow (many|old)\b|\bwhat (number|age)\b", "count"),
         (r"\bwho(m|se)?\b", "person"),
         (r"\bwhere\b|\bwhat (city|country|town|place|state|region)\b|\bin which (city|country|town|state)\b", "place"),
