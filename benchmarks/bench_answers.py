@@ -9,7 +9,7 @@ answer's trace holds the quotes the ``extract`` policy answers with, so the othe
 are the same run's answers with their outcome applied: ``before`` (no check), ``flag``,
 ``extract`` and ``abstain``.
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_answers.py [--limit N] [--out answers.json]
+    OMP_NUM_THREADS=2 python benchmarks/bench_answers.py [--limit N] [--out answers.json] [--quoted-only]
 """
 
 from __future__ import annotations
@@ -78,16 +78,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write every row as JSON here")
+    parser.add_argument("--quoted-only", action="store_true", help="only the offline default: no generator, minutes")
     args = parser.parse_args()
     from llama_index_crag.local.llamacpp import BundledLlamaCPP
 
     questions = load_questions()[: args.limit]
     index = VectorStoreIndex.from_documents(load_documents(), embed_model=default_embed_model())
     quoting = CorrectiveQueryEngine.from_defaults(index=index)
-    generating = CorrectiveQueryEngine.from_defaults(
-        index=index, llm=BundledLlamaCPP(), answer_mode="generate", on_ungrounded="flag"
-    )
-    runs = {"extract": _run(quoting, questions), "generate": _run(generating, questions)}
+    runs = {"extract": _run(quoting, questions)}
+    if not args.quoted_only:
+        generating = CorrectiveQueryEngine.from_defaults(
+            index=index, llm=BundledLlamaCPP(), answer_mode="generate", on_ungrounded="flag"
+        )
+        runs["generate"] = _run(generating, questions)
     print(f"{len(questions)} questions ({sum(q.answerable for q in questions)} answerable)\n")
     print("| answers | answered | right | wrong | wrong and flagged | p50 ms |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -96,16 +99,17 @@ def main() -> None:
         (f"generate, on_ungrounded={p}" if p != "before" else "generate, no check", "generate", p)
         for p in ("before", "flag", "extract", "abstain")
     ]
-    for label, run, policy in table:
+    for label, run, policy in [t for t in table if t[1] in runs]:
         c = count(runs[run], policy)
         times = sorted(r["ms"] for r in runs[run])
         print(
             f"| {label} | {c['answered']} | {c['right']} | {c['wrong']} | {c['wrong_flagged']} | "
             f"{times[len(times) // 2]:.0f} |"
         )
-    keyword = sum(r["rewrite_source"] == "keyword" for r in runs["generate"])
-    llm = sum(r["rewrite_source"] == "llm" for r in runs["generate"])
-    print(f"\nRewrites while generating: {llm} by the LLM, {keyword} by keywords (the LLM's failed).")
+    if "generate" in runs:
+        keyword = sum(r["rewrite_source"] == "keyword" for r in runs["generate"])
+        llm = sum(r["rewrite_source"] == "llm" for r in runs["generate"])
+        print(f"\nRewrites while generating: {llm} by the LLM, {keyword} by keywords (the LLM's failed).")
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1, default=str))
 

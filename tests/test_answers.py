@@ -3,30 +3,43 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import json
 import time
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
+import numpy as np
 import pytest
 from llama_index.core import VectorStoreIndex
 from llama_index.core.llms import MockLLM
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from llama_index_crag import CorrectiveQueryEngine
-from llama_index_crag.answers.extract import (
-    QUOTED_HEADER,
-    EvidenceQuoter,
-    describes_methods,
-    gives_background,
-    states_a_gap,
-    states_an_aim,
-    states_what_is_asked,
+from llama_index_crag.answers.abstracts import describes_methods, gives_background, states_a_gap, states_an_aim
+from llama_index_crag.answers.answer_model import (
+    ANSWER_FEATURES,
+    PACKAGED_DIR,
+    WEIGHTS_FILE,
+    AnswerModel,
+    Candidate,
+    answer_features,
+    asked_names,
+    packaged_answer_model,
+    states_codes,
 )
+from llama_index_crag.answers.extract import QUOTED_HEADER, EvidenceQuoter
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode
+from llama_index_crag.calibration.answer_training import swapped
 from llama_index_crag.cli import main
-from llama_index_crag.datasets import Question
+from llama_index_crag.core.answering import evidence_verdict
+from llama_index_crag.datasets import Question, load_documents, load_questions
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.text.split import split_sentences
 
 from .conftest import ALPHA, BETA, Answering, MarkerScorer, ScriptedLLM, make_engine
 
@@ -120,7 +133,7 @@ def test_a_good_llm_rewrite_is_used_and_said_so() -> None:
 
 
 def test_without_an_llm_the_rewrite_is_the_keywords() -> None:
-    engine = make_engine(MarkerScorer(ALPHA_SCORER), ScriptedLLM(), answer_mode="extract")
+    engine = make_engine(MarkerScorer(ALPHA_SCORER), ScriptedLLM(), answer_mode="extract", quote_threshold=0.0)
     engine.retriever._rewriter = None  # as from_defaults builds it without an LLM
     trace = crag(engine.query("How much money does project A get?"))
     assert trace["rewrite_source"] == "keyword" and trace["rewrite_error"] is None and not trace["abstained"]
@@ -144,44 +157,44 @@ def test_extract_mode_quotes_the_best_strips_with_their_source_and_generates_not
     texts = [n.node.get_content() for n in response.source_nodes]
     assert all(any(q["text"] in " ".join(t.split()) for t in texts) for q in trace["quotes"]), "quotes are verbatim"
     assert llm.calls["answer"] == 0 and trace["grounded"] is None
-    # The quotes, read together under their passage's title, answer the question as a passage must.
+    # The answer model gave the quoted strip a probability at or above its threshold.
     check = trace["quote_check"]
-    assert check["passed"] and check["grade"] >= check["threshold"] == trace["thresholds"]["lower"]
-    assert check["withheld"] == []
+    assert (
+        check["passed"] and check["grade"] >= check["threshold"] == packaged_answer_model().thresholds[trace["action"]]
+    )
+    assert check["withheld"] == [] and all(q["score"] >= check["threshold"] for q in trace["quotes"])
 
 
-def test_quotes_on_the_subject_that_do_not_answer_are_withheld_and_the_engine_abstains(
+def test_strips_on_the_subject_that_do_not_answer_are_withheld_and_the_engine_abstains(
     sample_index: VectorStoreIndex,
 ) -> None:
-    # The full-year results passage is retrieved, and its best strip that states fiscal year 2023 gives revenue:
-    # on the subject, clearing the strip threshold, and no answer to a question about net income. Read as a
-    # passage it grades about 0.5, above `lower`, so the bar here is raised to make the check act on it.
+    # The full-year results passage is retrieved, on the subject of a question about net income it does not state.
     question = "What net income did the company report for fiscal year 2023?"
     engine = CorrectiveQueryEngine.from_defaults(
-        index=sample_index, answer_mode="extract", fallback_sources=("bm25",), quote_threshold=0.9
+        index=sample_index, answer_mode="extract", fallback_sources=("bm25",), quote_threshold=0.99
     )
     trace = crag(engine.query(question))
     check = trace["quote_check"]
     assert trace["abstained"] and trace["answered_by"] == "abstain" and trace["quotes"] == []
-    assert not check["passed"] and check["grade"] < check["threshold"] == 0.9
-    assert any("Total revenue for fiscal year 2023" in q["text"] for q in check["withheld"])
-    assert "under the quote threshold" in trace["abstain_reason"]
-    # The check is what withheld them: turned off, the same strips are the answer.
+    assert not check["passed"] and check["grade"] < check["threshold"] == 0.99 and len(check["withheld"]) == 1
+    assert "under the quote threshold 0.990" in trace["abstain_reason"]
+    # The threshold is what withheld it: at 0, the same strip is the answer.
     off = CorrectiveQueryEngine.from_defaults(
-        index=sample_index, answer_mode="extract", fallback_sources=("bm25",), quote_threshold=0.0
+        index=sample_index, answer_mode="extract", fallback_sources=("bm25",), quote_threshold=0.0, max_quotes=1
     )
     trace = crag(off.query(question))
-    assert trace["answered_by"] == "extract" and trace["quote_check"] is None
+    assert trace["answered_by"] == "extract" and trace["quote_check"]["passed"]
     assert [q["text"] for q in trace["quotes"]] == [q["text"] for q in check["withheld"]]
 
 
-def test_the_quote_threshold_is_lower_by_default(sample_index: VectorStoreIndex) -> None:
+def test_the_quote_threshold_is_the_answer_models_for_the_verdict_by_default(sample_index: VectorStoreIndex) -> None:
     trace = crag(
         CorrectiveQueryEngine.from_defaults(index=sample_index, answer_mode="extract").query(
             "What net income did the company report for fiscal year 2023?"
         )
     )
-    assert trace["quote_check"]["threshold"] == trace["thresholds"]["lower"]
+    trace_threshold = trace["quote_check"]["threshold"]
+    assert trace_threshold == packaged_answer_model().thresholds[trace["action"]]
 
 
 @pytest.mark.parametrize(
@@ -194,8 +207,6 @@ def test_the_quote_threshold_is_lower_by_default(sample_index: VectorStoreIndex)
         ("Does a 40mg/day dose of folic acid help?", "Participants received 4 mg of folic acid daily.", False),
         ("76-85% of serious cases receive no treatment.", "76.3% to 85.4% of serious cases had none.", True),
         ("76-85% of serious cases receive no treatment.", "76.3% of serious cases had none.", False),
-        ("How long did the EU-2 outage last?", "The EU-2 outage lasted 4 hours.", True),
-        ("How long did the EU-2 outage last?", "The EU-2 outage began at 09:10.", False),
         # A code's hyphens are spelling, and a word joined to it only describes it; its letters and digits are not.
         ("C2 works with A-769662 to activate AMPK.", "C2 acts synergistically with the drug A769662.", True),
         ("GATA3 regulates stem cell renewal.", "GATA-3 is required for the maintenance of LT-HSCs.", True),
@@ -203,15 +214,135 @@ def test_the_quote_threshold_is_lower_by_default(sample_index: VectorStoreIndex)
         ("GATA3 regulates stem cell renewal.", "GATA-2 is required for the maintenance of LT-HSCs.", False),
         ("How long did the EU-2 outage last?", "The EU-3 outage lasted 4 hours.", False),
         ("How fast is a P1 ticket answered?", "Harbor is hosted in AP-1, Sydney, within 4 hours.", False),
-        # A claim's "who" and "where" open clauses: it asks for no person and no place, only its figures.
-        ("Students who perform poorly are at risk of misconduct.", "Poor performance predicted misconduct.", True),
-        ("Risk depends on where the BRCA1 mutation is located.", "BRCA1 risk varied with the mutation's site.", True),
-        ("Participants who quit smoking halve their risk.", "Quitting cut the risk by 50% in 2010.", True),
-        ("Participants who quit smoking cut risk by 50%.", "Quitting cut the risk by a third.", False),
     ],
 )
-def test_a_quote_must_state_the_figures_and_codes_asked(question: str, text: str, states: bool) -> None:
-    assert states_what_is_asked(question, text) is states
+def test_the_codes_feature_says_whether_a_strip_states_the_figures_and_codes_asked(
+    question: str, text: str, states: bool
+) -> None:
+    assert states_codes(question, text) is states
+
+
+@pytest.mark.parametrize(
+    ("question", "names"),
+    [
+        ("When did the Singapore office open?", ["singapore"]),
+        # An owner is the question's frame, not what it asks about; the first word is capitalised anyway.
+        ("What share of Scotland's voters did not vote?", []),
+        ("Where did Galor and Zeira publish?", ["galor", "zeira"]),
+        ("when did the singapore office open", []),
+    ],
+)
+def test_the_names_a_question_asks_about_are_its_capitalised_words(question: str, names: List[str]) -> None:
+    assert asked_names(question) == names
+
+
+def _features(question: str, candidates: Sequence[Candidate]) -> Any:
+    return answer_features(question, candidates, EvidenceScorer(corpus=[c.graded_text for c in candidates]))
+
+
+def test_the_answer_features_read_the_kind_of_answer_the_names_and_the_strip_itself() -> None:
+    column = {name: i for i, name in enumerate(ANSWER_FEATURES)}
+    toronto = Candidate("The Toronto office opened in January 2020.", "The Toronto office opened in January 2020.")
+    singapore = Candidate(
+        "It opened in March 2021 and serves Asia.",
+        "The Singapore office It opened in March 2021 and serves Asia.",
+        said_before="Offices The Singapore office is the newest.",
+    )
+    rows = _features("When did the Singapore office open?", [toronto, singapore])
+    assert rows.shape == (2, len(ANSWER_FEATURES))
+    assert list(rows[:, column["names_stated"]]) == [0.0, 1.0]
+    assert list(rows[:, column["holds_kind"]]) == [1.0, 1.0] and list(rows[:, column["asks_kind"]]) == [1.0, 1.0]
+    assert list(rows[:, column["refers_back"]]) == [0.0, 1.0]
+    assert rows[0, column["is_claim"]] == 0.0 and rows[0, column["is_question"]] == 0.0
+    claim = _features("Singapore offices opened in 2021.", [singapore])
+    assert claim[0, column["is_claim"]] == 1.0 and claim[0, column["asks_kind"]] == 0.0
+
+
+def test_the_packaged_answer_model_loads_with_its_checksum_notice_and_threshold() -> None:
+    model = packaged_answer_model()
+    assert set(model.thresholds) == {"correct", "ambiguous"}
+    # Evidence the grader was less sure of needs a strip that shows more (chosen on the design halves).
+    assert 0.0 <= model.thresholds["correct"] <= model.thresholds["ambiguous"] < 1.0
+    assert model.info["held_out_auroc"] > model.info["held_out_auroc_coverage_alone"]
+    assert "CC BY-SA 4.0" in (PACKAGED_DIR / "NOTICE").read_text(encoding="utf-8")
+
+
+def test_an_answer_model_whose_weights_do_not_match_their_checksum_is_refused(tmp_path: Path) -> None:
+    packaged_answer_model().save(tmp_path)
+    assert AnswerModel.load(tmp_path).thresholds == packaged_answer_model().thresholds
+    with np.load(tmp_path / WEIGHTS_FILE) as data:
+        tampered = {k: data[k] for k in data.files}
+    tampered["b2"] = tampered["b2"] + 5.0
+    np.savez(tmp_path / WEIGHTS_FILE, **tampered)
+    with pytest.raises(ConfigError, match="does not match its checksum"):
+        AnswerModel.load(tmp_path)
+    with pytest.raises(ConfigError, match="no readable answer model"):
+        AnswerModel.load(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    ("question", "passage", "answer"),
+    [
+        (
+            "How tall is the Orrin Lighthouse on Skerra Island?",
+            "The Orrin Lighthouse on Skerra Island was first lit in 1871. It rises 41 metres above the rocks and "
+            "its light can be seen for 22 nautical miles.",
+            "It rises 41 metres",
+        ),
+        (
+            "how many days did the warsaw uprising last",
+            "On 1 August 1944 the Warsaw Uprising began. The armed struggle, planned for 48 hours, went on for 63 "
+            "days.",
+            "63 days",
+        ),
+        (
+            "What is the capital of Australia?",
+            "Australia is a federation of six states. Its capital is Canberra, chosen in 1908 as a compromise "
+            "between Sydney and Melbourne.",
+            "Canberra",
+        ),
+    ],
+    ids=["pronoun-led", "lower-case", "capital"],
+)
+def test_the_answer_model_ranks_the_sentence_that_answers_first(question: str, passage: str, answer: str) -> None:
+    nodes = [NodeWithScore(node=TextNode(text=passage, metadata={"title": "Notes"}), score=0.9)]
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=[passage]), max_quotes=1, strip_min_tokens=3, answer_threshold=0)
+    quoted = quoter.quote(question, nodes)
+    assert len(quoted.quotes) == 1 and answer in quoted.quotes[0].text, quoted
+
+
+def test_under_the_threshold_nothing_is_quoted_and_the_best_strip_is_withheld() -> None:
+    passage = "The Orrin Lighthouse on Skerra Island was first lit in 1871. Its keepers left in 1960."
+    nodes = [NodeWithScore(node=TextNode(text=passage), score=0.9)]
+    scorer = EvidenceScorer(corpus=[passage])
+    strict = EvidenceQuoter(scorer, strip_min_tokens=3, answer_threshold=1.0).quote("Who painted it?", nodes)
+    assert strict.quotes == [] and len(strict.withheld) == 1 and strict.grade is not None and strict.grade < 1.0
+    assert strict.check() == {
+        "grade": strict.grade,
+        "threshold": 1.0,
+        "passed": False,
+        "withheld": [asdict(strict.withheld[0])],
+    }
+    loose = EvidenceQuoter(scorer, strip_min_tokens=3, answer_threshold=0.0, max_quotes=1).quote(
+        "Who painted it?", nodes
+    )
+    assert [q.text for q in loose.quotes] == [q.text for q in strict.withheld]
+
+
+@pytest.mark.parametrize(
+    ("action", "retry_score", "verdict"),
+    [("correct", None, "correct"), ("ambiguous", None, "ambiguous"), ("incorrect", 0.99, "correct"),
+     ("incorrect", 0.6, "ambiguous")],
+)  # fmt: skip
+def test_evidence_the_fallback_found_is_placed_by_its_own_grade(
+    action: str, retry_score: Optional[float], verdict: str
+) -> None:
+    assert evidence_verdict(action, retry_score, upper=0.8, lower=0.45) == verdict
+
+
+def test_an_unknown_quote_preset_is_refused() -> None:
+    with pytest.raises(ConfigError, match="unknown quote preset"):
+        EvidenceQuoter(EvidenceScorer(), preset="abstracts")
 
 
 @pytest.mark.parametrize(
@@ -236,13 +367,17 @@ def test_what_a_writer_set_out_to_learn_is_told_from_what_it_found(question: str
 
 
 def quoted_over(claim: str, distractor: str, finding: str) -> List[str]:
-    """The one quote for ``claim`` from a passage whose ``distractor`` grades above its ``finding`` (asserted)."""
+    """The one quote for ``claim``, with the structured-abstract rules on, from a passage of ``distractor`` then
+    ``finding``, and (asserted) the distractor's quote with them off."""
     texts = [f"{distractor} {finding}", "Pancreatic enzymes were measured in 40 volunteers after a fast."]
     scorer = EvidenceScorer(corpus=texts)
-    assert scorer.score_texts(claim, [distractor, finding])[0] > scorer.score_texts(claim, [distractor, finding])[1]
     nodes = [NodeWithScore(node=TextNode(text=t)) for t in texts]
-    quotes = EvidenceQuoter(scorer, max_quotes=1, threshold=0.0, strip_min_tokens=3).quote(claim, nodes).quotes
-    return [q.text for q in quotes]
+    quoter = EvidenceQuoter(scorer, max_quotes=1, strip_min_tokens=3, answer_threshold=0.0)
+    assert [q.text for q in quoter.quote(claim, nodes).quotes] == [distractor]
+    ruled = EvidenceQuoter(
+        scorer, max_quotes=1, strip_min_tokens=3, answer_threshold=0.0, preset="structured_abstracts"
+    )
+    return [q.text for q in ruled.quote(claim, nodes).quotes]
 
 
 def test_the_quoter_never_quotes_a_hypothesis_for_the_finding() -> None:
@@ -356,42 +491,11 @@ def test_the_quoter_never_quotes_a_claim_from_what_was_known_before_its_study() 
     assert quoted_over(claim, background, finding) == [finding]
 
 
-OFFICES = (
-    "Harbor Analytics operates three offices. The Toronto office opened in January 2020 and hosts support. "
-    "The Singapore office serves customers in the Asia-Pacific region and focuses on sales."
-)
-UPRISING = "On 1 August 1944 the Warsaw Uprising began. The armed struggle, planned for 48 hours, went on for 63 days."
-
-
-@pytest.mark.parametrize(
-    ("question", "passage", "quoted"),
-    [
-        # The strip that grades best comes before the name's first mention: it is about another office.
-        ("When did the Singapore office open?", OFFICES, None),
-        ("When did the Toronto office open?", OFFICES, "The Toronto office opened in January 2020"),
-        # Named before the strip, which refers back to it.
-        ("How many days did the Warsaw Uprising last?", UPRISING, "went on for 63 days"),
-        # Misspelt in the question; an owner is the question's frame, not what it asks about.
-        ("When did Galor and Zeria show it?", "In 1993, Galor and Zeira showed that inequality harms growth.", "1993"),
-        ("What share of Scotland's voters did not vote?", "Of the Scottish electorate, 32.9% did not vote.", "32.9%"),
-        # A claim asks for no kind of answer and is not held to its names.
-        ("Singapore offices opened in January 2020.", OFFICES, "The Toronto office opened in January 2020"),
-    ],
-)
-def test_a_quote_answers_only_about_a_name_its_passage_has_named_by_then(
-    question: str, passage: str, quoted: Optional[str]
-) -> None:
-    scorer = MarkerScorer({"opened": 0.9, "63 days": 0.9, "1993": 0.9, "32.9%": 0.9}, default=0.6)
-    nodes = [NodeWithScore(node=TextNode(text=passage))]
-    quotes = EvidenceQuoter(scorer, max_quotes=1, threshold=0.5, strip_min_tokens=3).quote(question, nodes).quotes
-    assert [q.text for q in quotes if quoted and quoted in q.text] == [q.text for q in quotes]
-    assert bool(quotes) == (quoted is not None), [q.text for q in quotes]
-
-
 def test_quotes_keep_document_order_within_a_passage(embed_model: Any) -> None:
-    nodes = [ALPHA, BETA]
     scorer = MarkerScorer({"approved in march": 0.8, "alpha project budget for 2024": 0.9})
-    engine = make_engine(scorer, ScriptedLLM(), primary=nodes, answer_mode="extract", strip_min_tokens=3)
+    engine = make_engine(
+        scorer, ScriptedLLM(), primary=[ALPHA], answer_mode="extract", strip_min_tokens=3, quote_threshold=0.0
+    )
     trace = crag(engine.query(QUESTION))
     assert [q["text"] for q in trace["quotes"]] == [
         "The alpha project budget for 2024 is 3.2 million euros.",
@@ -543,19 +647,22 @@ def test_flag_keeps_an_ungrounded_answer_marked_with_the_evidence_beside_it() ->
 
 
 def test_flag_keeps_withheld_quotes_in_the_trace_as_weak_evidence() -> None:
-    # The quotes grade 0.9 together: a quote threshold above that withholds them, and a flagged answer is kept.
-    trace = crag(_checked_engine(WRONG, on_ungrounded="flag", quote_threshold=0.95).query(QUESTION))
+    # No strip reaches a quote threshold of 1: the best is withheld, and a flagged answer is kept.
+    trace = crag(_checked_engine(WRONG, on_ungrounded="flag", quote_threshold=1.0).query(QUESTION))
     assert trace["answered_by"] == "generate" and trace["answer_check"]["outcome"] == "flagged"
     check = trace["quote_check"]
-    assert trace["quotes"] == [] and check["passed"] is False and check["grade"] == 0.9
+    assert trace["quotes"] == [] and check["passed"] is False and check["grade"] < 1.0
     assert "3.2 million" in check["withheld"][0]["text"]
 
 
 def test_extract_never_gives_withheld_quotes_and_says_why_it_abstained() -> None:
-    trace = crag(_checked_engine(WRONG, on_ungrounded="extract", quote_threshold=0.95).query(QUESTION))
+    trace = crag(_checked_engine(WRONG, on_ungrounded="extract", quote_threshold=1.0).query(QUESTION))
     assert trace["abstained"] and trace["answered_by"] == "abstain" and trace["quotes"] == []
     assert "failed its check" in trace["abstain_reason"]
-    assert "grade 0.900, under the quote threshold 0.950" in trace["abstain_reason"]
+    grade = trace["quote_check"]["grade"]
+    assert (
+        f"the answer model gives its best strip {grade:.3f}, under the quote threshold 1.000" in trace["abstain_reason"]
+    )
 
 
 def test_extract_replaces_an_ungrounded_answer_with_the_quoted_evidence() -> None:
@@ -624,6 +731,68 @@ async def test_an_async_stream_is_checked_when_it_ends() -> None:
     assert crag(response)["answer_check"]["status"] == "checked" and crag(response)["grounded"] is True
 
 
+# --- training the answer model ---------------------------------------------------------------------------------
+
+
+def _sample_sentence_pairs(path: Path) -> int:
+    """Question-sentence pairs from the sample corpus: the sentence that holds each answer, and the others."""
+    documents = {d.doc_id: d.text for d in load_documents()}
+    rows = []
+    for question in load_questions():
+        for doc in question.relevant_doc_ids:
+            for sentence in split_sentences(documents.get(doc, "")):
+                label = int(any(a in sentence for a in question.answers))
+                rows.append({"question": question.question, "passage": sentence, "label": label, "source": "sample"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return len(rows)
+
+
+def test_train_answers_writes_a_model_the_engine_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pairs = tmp_path / "pairs.jsonl"
+    assert _sample_sentence_pairs(pairs) > 100
+    assert main(["train-answers", "--pairs-file", str(pairs), "--out", str(tmp_path / "model"), "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert "Answer model trained on" in said and f"CRAG_ANSWER_MODEL={tmp_path / 'model'}" in said
+    model = AnswerModel.load(tmp_path / "model")
+    pairs_used = model.info["pairs"]
+    assert pairs_used["made_by_swapping"] > 0
+    assert (
+        pairs_used["train"] + pairs_used["held_out"]
+        == len(pairs.read_text().splitlines()) + pairs_used["made_by_swapping"]
+    )
+    monkeypatch.setenv("CRAG_ANSWER_MODEL", str(tmp_path / "model"))
+    monkeypatch.setenv("CRAG_QUOTE_THRESHOLD", "0")
+    engine = CorrectiveQueryEngine.from_defaults(nodes=[TextNode(text=OUTAGE)], answer_mode="extract")
+    assert engine._quoter.model.info == model.info
+    trace = crag(engine.query("How long did the June 2023 EU-2 outage last?"))
+    assert trace["answered_by"] == "extract" and trace["quotes"]
+
+
+def test_training_adds_negatives_with_the_asked_figure_or_name_swapped() -> None:
+    rows = [
+        {"question": "What was ARR in Q2 2023?", "passage": "ARR was $61.4 million in Q2 2023.", "label": 1},
+        {"question": "When did the Singapore office open?", "passage": "The Singapore office opened in 2021.",
+         "label": 1},
+        {"question": "When did the Toronto office open?", "passage": "The Toronto office opened in 2020.", "label": 0},
+    ]  # fmt: skip
+    made = swapped(rows)
+    assert [(m["kind"], m["label"]) for m in made] == [("figure_swapped", 0), ("name_swapped", 0)]
+    figure, name = made
+    assert figure["passage"] != rows[0]["passage"] and (
+        "Q2" not in figure["passage"] or "2023" not in figure["passage"]
+    )
+    assert "Singapore" not in name["passage"] and name["passage"].endswith("office opened in 2021.")
+
+
+def test_the_package_metadata_names_the_code_and_the_data_licences() -> None:
+    metadata = importlib.metadata.metadata("llama-index-crag")
+    assert metadata["License-Expression"] == "MIT AND CC-BY-SA-4.0"
+    files = metadata.get_all("License-File") or []
+    assert {"LICENSE", "llama_index_crag/data/grader/NOTICE", "llama_index_crag/data/answer_model/NOTICE"} <= set(files)
+
+
 # --- the demo ---------------------------------------------------------------------------------------------------
 
 
@@ -634,7 +803,7 @@ def test_the_demo_quotes_by_default_without_a_generator(capsys: pytest.CaptureFi
     assert "Miriam Okafor" in out and "answered by quoting 2, by generating 0" in out
 
 
-@pytest.mark.parametrize("quote_threshold", [None, 0.95])
+@pytest.mark.parametrize("quote_threshold", [None, 1.0])
 def test_the_demo_prints_what_the_sources_say_beside_a_flagged_answer(
     quote_threshold: Optional[float], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -646,5 +815,6 @@ def test_the_demo_prints_what_the_sources_say_beside_a_flagged_answer(
     assert "answer (generated, NOT SUPPORTED by its sources" in out and WRONG in out
     said = out.split("the sources say", 1)[1]
     assert "3.2 million euros" in said
-    # Quotes the whole-quote check withheld are shown, and said to be weak, with their grade.
-    assert ("weakly" in said and "0.900 together, under the quote threshold 0.950" in said) == bool(quote_threshold)
+    # The strip the answer model withheld is shown, and said to be weak, with its probability.
+    withheld = bool(quote_threshold) and "under the quote threshold 1.000" in said
+    assert ("weakly" in said and "the answer model gives this strip" in said) == withheld == bool(quote_threshold)

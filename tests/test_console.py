@@ -353,8 +353,8 @@ def test_a_generated_answer_the_sources_do_not_support_is_marked(browser: WebDri
 
 
 def test_quotes_withheld_beside_a_flagged_answer_are_shown_as_weak_evidence(browser: WebDriver, engine: Any) -> None:
-    # No grade reaches this quote threshold: the quotes are withheld.
-    with LiveServer(create_app(flagging(engine, quote_threshold=0.9999))) as live:
+    # No strip reaches a quote threshold of 1: the best is withheld.
+    with LiveServer(create_app(flagging(engine, quote_threshold=1.0))) as live:
         open_console(browser, live.url)
         result = stored(live, ask(browser, CORRECT))
         check = result["crag"]["quote_check"]

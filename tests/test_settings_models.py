@@ -50,8 +50,12 @@ def test_the_bundled_model_set_in_settings_grades(
     monkeypatch.setattr(Settings, "_embed_model", counting)
     engine = CorrectiveQueryEngine.from_defaults(index=sample_index)
     response = engine.query(CEO)
-    assert counting.calls > 0 and response.metadata["crag"]["action"] == "correct"
+    assert response.metadata["crag"]["action"] == "correct"
     assert engine.grader.scorer.name == "evidence:all-MiniLM-L6-v2"
+    # The query reused the index's embeddings; a passage the index never held is embedded by the Settings model.
+    before = counting.calls
+    engine.grader.scorer.score_texts(CEO, ["Miriam Okafor has led the company since 2019."])
+    assert counting.calls > before
 
 
 def test_another_model_in_settings_is_refused_without_thresholds_fitted_for_it(

@@ -91,13 +91,13 @@ def test_the_quoter_reads_a_refined_strip_with_the_context_the_refiner_read_it_w
         QueryBundle(question), [NodeWithScore(node=TextNode(text=PAGE))]
     )
     read = len(scorer.seen)
-    quotes = EvidenceQuoter(scorer, threshold=0.5).quote(question, refined.nodes).quotes
-    # The refiner's score is taken as it stands: scored again in a smaller batch, a score whose features are
-    # relative to the batch (the evidence scorer's) would change.
+    quoter = EvidenceQuoter(scorer, answer_threshold=0.0)
+    quotes = quoter.quote(question, refined.nodes).quotes
+    # The answer model reads the strip as the refiner graded it, with its subject, and grades nothing again.
     assert len(scorer.seen) == read
-    assert [(q.text, q.score) for q in quotes] == [
-        ("It spans 312 metres across the Lune estuary and carries the coast road.", 0.9)
-    ]
+    assert [q.text for q in quotes] == ["It spans 312 metres across the Lune estuary and carries the coast road."]
+    [(candidate, _, _, _)] = quoter.candidates(refined.nodes)
+    assert candidate.graded_text.startswith("Kestrel Bridge") and candidate.text == quotes[0].text
     # What the refiner recorded for the quoter stays out of the generator's prompt and the embedding.
     node = refined.nodes[0].node
     assert STRIPS_KEY in node.metadata

@@ -196,6 +196,7 @@ def pages() -> Iterator[RecordingServer]:
         routes.update(
             {
                 "/harbor": _send(200, "text/html; charset=utf-8", HARBOR),
+                "/lighthouse": _send(200, "text/html; charset=utf-8", LIGHTHOUSE),
                 "/malicious": _send(200, "text/html", MALICIOUS),
                 "/offlist": _send(200, "text/html", HARBOR),
                 "/slow": _slow,
@@ -375,6 +376,28 @@ def test_incorrect_branch_answers_from_graded_web_strips_cited_by_url(searxng: A
     assert state.queries == [{"q": [REWRITTEN], "format": ["json"]}]
     assert f'url="{pages.url}/harbor"' in llm.answer_prompts[0]
     json.dumps(trace)
+
+
+LIGHTHOUSE = _html(
+    "The Orrin Lighthouse",
+    "<p>The Orrin Lighthouse on Skerra Island was first lit in 1871. It rises 41 metres above the rocks, and its "
+    "light can be seen for 22 nautical miles. Its last keeper left in 1968.</p>",
+)
+
+
+def test_a_web_page_that_answers_plainly_is_quoted_even_where_its_answer_opens_with_a_pronoun(
+    searxng: Any, pages: RecordingServer, embed_model: Any
+) -> None:
+    # Offline default (no generator: answers quoted); the corpus knows nothing of the lighthouse, the web page does.
+    state, searx = searxng
+    state.urls = urls(pages, "/lighthouse")
+    engine = CorrectiveQueryEngine.from_defaults(nodes=CORPUS, embed_model=embed_model, web=web_settings(searx))
+    response = engine.query("How tall is the Orrin Lighthouse on Skerra Island?")
+    trace = response.metadata["crag"]
+    assert trace["action"] == "incorrect" and "web" in trace["fallback_sources"]
+    assert trace["answered_by"] == "extract", trace["abstain_reason"]
+    assert any(q["text"].startswith("It rises 41 metres") for q in trace["quotes"]), trace["quotes"]
+    assert f"{pages.url}/lighthouse" in str(response)
 
 
 def test_the_server_answers_from_the_web_and_says_what_it_sent(searxng: Any, pages: RecordingServer) -> None:

@@ -9,6 +9,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from llama_index_crag.calibration.fit import (
+    IN_CORPUS,
+    OUT_OF_CORPUS,
+    UNANSWERABLE,
     Batch,
     StripSet,
     fit_strip_threshold,
@@ -21,7 +24,8 @@ from llama_index_crag.calibration.fit import (
     write_calibration,
 )
 from llama_index_crag.calibration.labelled import group_folds
-from llama_index_crag.calibration.report_figures import KINDS, Outcome, against_default, figures, plot, table
+from llama_index_crag.calibration.report_figures import KINDS, Outcome, against_default, auroc, figures, plot, table
+from llama_index_crag.datasets import SPLITS
 from llama_index_crag.errors import ConfigError, DatasetError
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.evidence import EvidenceScorer
@@ -217,12 +221,17 @@ def run_report(
     targets: Mapping[str, float],
     min_tokens: int,
     progress: bool = True,
+    split: str = "all",
+    best_sentence: bool = False,
 ) -> Dict[str, Any]:
     """Measure each scorer on ``dataset`` out of sample; write JSON, Markdown and a PNG to ``out``.
 
-    The first row is always the engine's default scorer (``default``), whatever ``scorers`` names.
+    The first row is always the engine's default scorer (``default``), whatever ``scorers`` names. ``split``
+    measures one half of the set (``datasets.Halves``): ``check`` for figures, after fitting on ``design``.
+    ``best_sentence`` adds how well the answer model's best-strip probability alone tells the batches with the
+    answer from the others (``best_sentence_figures``).
     """
-    labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress)
+    labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress, split=split)
     batches, corpus = labelled.batches, labelled.corpus
     strips = labelled_strips(dataset, batches, min_tokens)
     calibration_data = read_calibration(calibration, None) if calibration else None
@@ -257,11 +266,14 @@ def run_report(
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "dataset": str(dataset),
+        "split": split,
         "k": k,
         "protocol": _protocol(results, calibration_data, folds),
         "targets": dict(targets),
         "results": results,
     }
+    if best_sentence:
+        report["best_sentence"] = best_sentence_figures(batches, corpus, progress)
     (out / "grade-report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out / "grade-report.md").write_text(table(results) + "\n", encoding="utf-8")
     plot(outcomes, out / "grade-report.png")
@@ -281,6 +293,25 @@ def _protocol(results: Sequence[Mapping[str, Any]], calibration: Optional[Mappin
     return f"calibration file, held-out rows, for {', '.join(used)}; {crossed} for the others"
 
 
+def best_sentence_figures(batches: Sequence[Batch], corpus: Sequence[str], progress: bool = True) -> Dict[str, Any]:
+    """The answer model's probability for the best strip of each batch's candidates, as a grader feature: its AUROC
+    for the batches with the answer against the out-of-corpus and the unanswerable ones."""
+    from llama_index.core.schema import NodeWithScore, TextNode
+    from tqdm import tqdm
+
+    from llama_index_crag.answers.extract import EvidenceQuoter
+
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=corpus), answer_threshold=0.0)
+    scores = np.asarray(
+        [
+            quoter.quote(b.question.question, [NodeWithScore(node=TextNode(text=t)) for t in b.texts]).grade or 0.0
+            for b in tqdm(batches, desc="best sentence", disable=not progress)
+        ]
+    )
+    kinds = np.asarray([b.kind for b in batches])
+    return {other: auroc(scores[kinds == IN_CORPUS], scores[kinds == other]) for other in (OUT_OF_CORPUS, UNANSWERABLE)}
+
+
 def run_calibration(
     dataset: Path,
     scorer_name: str,
@@ -298,16 +329,19 @@ def run_calibration(
     When the set labels evidence sentences or short answers, the knowledge-strip
     threshold is fitted too, on the strips of the same questions' gold passages.
     With ``synthetic``, that many questions are made from the corpus alone (see
-    ``synthetic.py``) and the dataset's own questions are not read.
+    ``synthetic.py``) and the dataset's own questions are not read. ``split`` ``design`` or ``check`` fits on one
+    half of the set (``datasets.Halves``: fit on ``design``, report ``check``); another name keeps the questions
+    whose own ``split`` field has it; None or ``all``, every question.
     """
     if synthetic is not None:
         from llama_index_crag.calibration.synthetic import synthetic_batches
 
         labelled = synthetic_batches(dataset, count=synthetic, k=k, progress=progress)
     else:
-        labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress)
+        half = split if split in SPLITS else "all"
+        labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress, split=half)
     batches = labelled.batches
-    if split is not None:
+    if split is not None and split not in SPLITS:
         batches = [b for b in batches if b.question.split == split]
         if not batches:
             raise ConfigError(f"no question of {dataset} has split {split!r}")

@@ -28,7 +28,7 @@ class Outcome:
     strips: Optional[Dict[str, Any]] = None
 
 
-def _auroc(positive: np.ndarray, negative: np.ndarray) -> Optional[float]:
+def auroc(positive: np.ndarray, negative: np.ndarray) -> Optional[float]:
     if not len(positive) or not len(negative):
         return None
     from sklearn.metrics import roc_auc_score
@@ -48,7 +48,7 @@ def figures(outcome: Outcome) -> Dict[str, Any]:
         mask = (kinds == IN_CORPUS) | (kinds == other)
         if (kinds == other).any():
             rows[other] = {
-                "auroc": _auroc(outcome.aggregate[kinds == IN_CORPUS], outcome.aggregate[kinds == other]),
+                "auroc": auroc(outcome.aggregate[kinds == IN_CORPUS], outcome.aggregate[kinds == other]),
                 "accuracy": float(right[mask].mean()),
                 "caught": float((~answered[kinds == other]).mean()),
                 "batches": int(mask.sum()),
@@ -155,10 +155,10 @@ def table(results: Sequence[Mapping[str, Any]]) -> str:
     ]
     for result in results:
         for row, values in result["rows"].items():
-            auroc = "-" if values["auroc"] is None else f"{values['auroc']:.3f}"
+            shown = "-" if values["auroc"] is None else f"{values['auroc']:.3f}"
             scorer = f"{result['scorer']} (default)" if result.get("default") else result["scorer"]
             lines.append(
-                f"| {scorer} | {row} | {auroc} | {_against(values)} | {values['accuracy']:.3f} "
+                f"| {scorer} | {row} | {shown} | {_against(values)} | {values['accuracy']:.3f} "
                 f"| {_rejected(result, values)} | {values['batches']} | {result['three_band_accuracy']:.3f} "
                 f"| {_ceiling(result)} | {result['pairs_per_second']:.0f} |"
             )

@@ -162,16 +162,16 @@ def _print_quotes(quotes: Sequence[dict]) -> None:
 
 
 def _print_evidence(crag: dict) -> None:
-    """What the sources say beside a generated answer that is not supported: the quotes, or, where the
-    whole-quote check withheld them, those strips said to be weak evidence."""
+    """What the sources say beside a generated answer that is not supported: the quotes, or, where the answer
+    model withheld the best strip, that strip said to be weak evidence."""
     quote_check = crag.get("quote_check") or {}
     if crag.get("quotes"):
         print("  the sources say:")
         _print_quotes(crag["quotes"])
     elif quote_check.get("passed") is False and quote_check.get("withheld"):
         print(
-            f"  the sources say, weakly (these strips grade {quote_check['grade']:.3f} together, under the quote "
-            f"threshold {quote_check['threshold']:.3f}):"
+            f"  the sources say, weakly (the answer model gives this strip {quote_check['grade']:.3f}, under the "
+            f"quote threshold {quote_check['threshold']:.3f}):"
         )
         _print_quotes(quote_check["withheld"])
 

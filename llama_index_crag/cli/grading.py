@@ -20,7 +20,6 @@ def add_parsers(commands: Any) -> None:
     calibrate = commands.add_parser("calibrate", help="fit the thresholds (and learned weights) on a labelled set")
     _add_dataset_options(calibrate)
     calibrate.add_argument("--scorer", default="evidence", help="evidence, bi-encoder, llm-judge, cross-encoder:MODEL")
-    calibrate.add_argument("--split", default=None, help="fit only on questions of this split (e.g. train)")
     calibrate.add_argument(
         "--synthetic",
         type=int,
@@ -93,6 +92,22 @@ def add_parsers(commands: Any) -> None:
     train.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
     train.set_defaults(run=_train_grader)
 
+    answers = commands.add_parser(
+        "train-answers",
+        help="train the answer step's network (which sentences answer) on labelled sentence pairs",
+        description="Reads labelled question-sentence pairs, computes the answer model's features (the evidence "
+        "scorer's, the kind of answer, figures and names), trains a small network on nine tenths of each source "
+        "(held out by article or question), prints its held-out AUROC by source and writes it to --out. Use it "
+        "with CRAG_ANSWER_MODEL=DIR.",
+    )
+    answers.add_argument("--pairs-file", required=True, help="JSONL of question, passage, label (source, kind, title)")
+    answers.add_argument("--out", required=True, help="the folder to write the network to")
+    answers.add_argument(
+        "--threshold", type=float, default=0.5, help="the probability at which a strip is quoted, for every verdict"
+    )
+    answers.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
+    answers.set_defaults(run=_train_answers)
+
     report = commands.add_parser("grade-report", help="measure the grader alone, out of sample")
     _add_dataset_options(report)
     report.add_argument("--scorers", default="evidence,bi-encoder", help="comma-separated scorers to compare")
@@ -102,6 +117,11 @@ def add_parsers(commands: Any) -> None:
     )
     report.add_argument("--judge-limit", type=at_least(0), default=40, help="batches the (slow) LLM judge grades")
     report.add_argument("--out", default="grade-report", help="folder for the JSON, Markdown and PNG")
+    report.add_argument(
+        "--best-sentence",
+        action="store_true",
+        help="also measure the answer model's best-strip probability as a grader feature (reads every strip)",
+    )
     report.set_defaults(run=_grade_report)
     pairs = commands.add_parser(
         "grade-pairs",
@@ -140,6 +160,13 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", required=True, help="folder with corpus.jsonl and questions.jsonl")
     parser.add_argument("--k", type=positive_int, default=5, help="candidates retrieved per question")
     parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N questions")
+    parser.add_argument(
+        "--split",
+        default="all",
+        help="design or check: one half of the set, cut by document so that a question and its passages stay "
+        "together (fit on design, report check); all: the whole set; another name: the questions whose own 'split' "
+        "field has it (default: all)",
+    )
     parser.add_argument("--target-precision", type=float, default=0.9, help="precision wanted of CORRECT")
     parser.add_argument("--target-recall", type=float, default=0.9, help="share of out-of-corpus batches to catch")
     parser.add_argument(
@@ -252,6 +279,18 @@ def _train_grader(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_answers(args: argparse.Namespace) -> int:
+    from llama_index_crag.calibration.answer_training import summary, train_answer_model
+
+    if not 0.0 <= args.threshold <= 1.0:
+        raise ConfigError(f"--threshold is a probability, from 0 to 1, got {args.threshold}")
+    thresholds = dict.fromkeys(("correct", "ambiguous", "incorrect"), args.threshold)
+    info = train_answer_model(args.pairs_file, args.out, progress=args.progress, thresholds=thresholds)
+    print(summary(info))
+    print(f"Wrote {args.out}. Use it: CRAG_ANSWER_MODEL={args.out}")
+    return 0
+
+
 def _pack_grader(args: argparse.Namespace) -> int:
     from llama_index_crag.calibration.packaging import pack_grader
 
@@ -282,13 +321,22 @@ def _grade_report(args: argparse.Namespace) -> int:
         _targets(args),
         args.strip_min_tokens,
         args.progress,
+        args.split,
+        args.best_sentence,
     )
-    print(f"{report['dataset']} ({report['protocol']}, top-{report['k']} candidates)\n")
+    half = "" if args.split == "all" else f", {args.split} half"
+    print(f"{report['dataset']} ({report['protocol']}{half}, top-{report['k']} candidates)\n")
     print(table(report["results"]))
     print(
         "\nceiling: the best three-band accuracy any single lower threshold reaches on these scores, "
         "chosen on the same rows (a bound, not a result)"
     )
+    if "best_sentence" in report:
+        best = {k: "-" if v is None else f"{v:.3f}" for k, v in report["best_sentence"].items()}
+        print(
+            f"\nBest sentence (the answer model's probability for the best strip of the candidates) as a grader: "
+            f"AUROC {best['out-of-corpus']} against out of corpus, {best['unanswerable']} against unanswerable"
+        )
     for result in report["results"]:
         if result.get("strips"):
             s = result["strips"]

@@ -21,6 +21,7 @@ from llama_index_crag.answers.extract import EvidenceQuoter, QuotedAnswer
 from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
 from llama_index_crag.answers.policy import outcome_of
 from llama_index_crag.core.driver import Io, bind, text_response
+from llama_index_crag.core.grader import Verdict, band
 from llama_index_crag.core.prompts import QUOTED_QA_TEMPLATE, QUOTED_REFINE_TEMPLATE, quote_sources
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace, step_span
@@ -102,11 +103,15 @@ class AnswerSteps:
         """The best strips of the context, quoted with their sources (recorded in the trace)."""
         question = query_bundle.query_str
         with trace.timed("extract"), step_span("quote", passages=len(context)) as span:
-            quoted = yield Io(bind(self._quoter.quote, question, context), bind(self._quoter.aquote, question, context))
+            verdict = evidence_verdict(trace.action, trace.retry_score, trace.upper, trace.lower)
+            quoted = yield Io(
+                bind(self._quoter.quote, question, context, verdict),
+                bind(self._quoter.aquote, question, context, verdict),
+            )
             span.outcome = "quoted" if quoted.quotes else "withheld" if quoted.withheld else "none"
             span.sizes.update(quotes=len(quoted.quotes), withheld=len(quoted.withheld))
         trace.quotes = quoted.to_list()
-        trace.quote_check = quoted.check(self._quoter.answer_threshold)
+        trace.quote_check = quoted.check()
         return quoted
 
     def _check(
@@ -145,8 +150,8 @@ class AnswerSteps:
             return text_response(quoted.text, context, False, is_async)
         unsupported = ", ".join(check.unsupported[:5])
         withheld = (
-            f"; its best strips, read together, grade {quoted.grade:.3f}, under the quote threshold "
-            f"{self._quoter.answer_threshold:.3f}, so they were not given instead"
+            f"; the answer model gives its best strip {quoted.grade:.3f}, under the quote threshold "
+            f"{quoted.threshold:.3f}, so they were not given instead"
             if quoted.withheld and quoted.grade is not None
             else ""
         )
@@ -180,9 +185,11 @@ class AnswerSteps:
             outcome = outcome_of(check, "flag")
             if outcome != "kept":
                 try:
-                    quoted = self._quoter.quote(query_bundle.query_str, context)
+                    bands = crag["thresholds"]
+                    verdict = evidence_verdict(crag["action"], crag.get("retry_score"), bands["upper"], bands["lower"])
+                    quoted = self._quoter.quote(query_bundle.query_str, context, verdict)
                     crag["quotes"] = quoted.to_list()
-                    crag["quote_check"] = quoted.check(self._quoter.answer_threshold)
+                    crag["quote_check"] = quoted.check()
                 except Exception as exc:
                     crag["quotes"] = []
                     check.reason = f"{check.reason}; the evidence could not be quoted: {type(exc).__name__}: {exc}"
@@ -210,6 +217,14 @@ class AnswerSteps:
             quoting.update_prompts({k: v for k, v in templates.items() if k in prompts})
             self._quoting = (key, quoting)
         return self._quoting[1]
+
+
+def evidence_verdict(action: str, retry_score: Optional[float], upper: float, lower: float) -> str:
+    """The grader's verdict on the evidence an answer comes from: the query's action, or for evidence the fallback
+    found (action "incorrect"), the band of its own grade."""
+    if action == Verdict.INCORRECT.value and retry_score is not None:
+        return band(retry_score, upper, lower).value
+    return action
 
 
 def context_texts(context: Sequence[NodeWithScore]) -> List[str]:

@@ -19,6 +19,7 @@ from llama_index.core.prompts.mixin import PromptMixin, PromptMixinType
 from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
 from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
 
+from llama_index_crag.answers.answer_model import AnswerModel
 from llama_index_crag.answers.extract import EvidenceQuoter
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.policy import default_answer_mode
@@ -88,9 +89,10 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
         self._quoter = EvidenceQuoter(
             grader.scorer,
             max_quotes=settings.max_quotes,
-            threshold=refiner.threshold,
             strip_min_tokens=refiner.strip_min_tokens,
-            answer_threshold=grader.lower if settings.quote_threshold is None else settings.quote_threshold,
+            answer_threshold=settings.quote_threshold,
+            model=AnswerModel.load(settings.answer_model) if settings.answer_model else None,
+            preset=settings.quote_preset,
         )
         self._checker = GroundednessChecker(
             grader.scorer, use_scorer=settings.check_with_grader, strip_min_tokens=refiner.strip_min_tokens
@@ -257,15 +259,11 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
                     response = text_response(quoted.text, context, streaming, is_async)
                 elif quoted.withheld:
                     trace.abstain(
-                        f"the best strips, read together, grade {quoted.grade:.3f} against the question, under the "
-                        f"quote threshold {self._quoter.answer_threshold:.3f}: they are on its subject but do not "
-                        "answer it"
+                        f"no strip of the graded passages answers the question: the answer model gives the best one "
+                        f"{quoted.grade:.3f}, under the quote threshold {quoted.threshold:.3f}"
                     )
                 else:
-                    trace.abstain(
-                        "no strip of the graded passages clears the strip threshold and states what the question "
-                        "asks for (its kind of answer, and the figures and codes it names)"
-                    )
+                    trace.abstain("the graded passages hold no strip that may be quoted")
                 synthesize_event.on_end(payload={EventPayload.RESPONSE: response})
         elif not trace.abstained:
             response = yield from self._generate(query_bundle, context, trace)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Tuple
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from llama_index_crag.answers.abstracts import QuotePreset
 from llama_index_crag.answers.policy import AnswerMode, OnUngrounded
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.settings_sources import (
@@ -112,8 +113,17 @@ class CragSettings(OwnSources):
         default=None,
         ge=0.0,
         le=1.0,
-        description="The grade an extractive answer's quotes, read together, must reach against the question, "
-        "else the engine abstains; None uses lower, 0 turns this check off.",
+        description="The probability the answer model must give a strip for it to be quoted, else the engine "
+        "abstains; None: the model's own threshold, 0: the best strip is always quoted.",
+    )
+    answer_model: Optional[str] = Field(
+        default=None,
+        description="The answer step's network: a folder written by llama-crag train-answers. None: the packaged one.",
+    )
+    quote_preset: Optional[QuotePreset] = Field(
+        default=None,
+        description="Quote rules a corpus opts into: structured_abstracts withholds what a biomedical abstract "
+        "says of its aims, methods, background and open questions. None: the answer model alone.",
     )
     abstain_text: str = Field(
         default="I don't know. The documents I can search do not answer this question.",

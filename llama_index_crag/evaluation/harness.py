@@ -18,6 +18,7 @@ from llama_index.core.response_synthesizers import ResponseMode, get_response_sy
 from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
+from llama_index_crag.answers.answer_model import META_FILE, PACKAGED_DIR
 from llama_index_crag.answers.policy import ANSWER_MODES, ON_UNGROUNDED, default_answer_mode
 from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.datasets import content_hash
@@ -134,6 +135,8 @@ class EvalConfig:
             "calibration": content_hash(self.calibration) if self.calibration else None,
             "crag_settings": self.crag_settings(),
             "environment": crag_environment(),
+            # The packaged answer model (its weights' checksum and its thresholds) decides every quoted answer.
+            "answer_model": content_hash(PACKAGED_DIR / META_FILE),
             "top_k": self.top_k,
             "rerank": [self.rerank_top_k, self.rerank_top_n],
             "scoring": SCORING,

@@ -57,6 +57,7 @@ def make_row(
         "action": trace["action"],
         "abstained": abstained,
         "top_score": trace.get("top_score"),
+        "retry_score": trace.get("retry_score"),
         "answer": answer[:500],
         "context_doc_ids": doc_ids,
         "context_tokens": sum(tokens),

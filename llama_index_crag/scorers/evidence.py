@@ -190,9 +190,21 @@ class EvidenceScorer(RelevanceScorer):
         """The ``FEATURES`` of each passage for ``query``, one row a passage."""
         return self._stack(query, texts, self._read_features(query, texts)[0])
 
+    def word_features(self, query: str, texts: Sequence[str]) -> np.ndarray:
+        """The features of each passage that need no embedding and no other passage (``FEATURES`` from
+        ``coverage`` to ``turned_round``), one row a passage: what the answer step reads of each strip."""
+        return self._own_features(query, texts, [0.0] * len(texts))[0][:, 1:]
+
     def _read_features(self, query: str, texts: Sequence[str]) -> Tuple[np.ndarray, List[Optional[str]]]:
         """``features``, and for each passage what turns the question round in it (``turned_round``), or None."""
-        cosines = self.bi_encoder.score_texts(query, texts) if texts else []
+        own, reasons = self._own_features(query, texts)
+        return np.hstack([own, _lift(own[:, _LIFTED], self.rival_means)]), reasons
+
+    def _own_features(
+        self, query: str, texts: Sequence[str], cosines: Optional[Sequence[float]] = None
+    ) -> Tuple[np.ndarray, List[Optional[str]]]:
+        if cosines is None:
+            cosines = self.bi_encoder.score_texts(query, texts) if texts else []
         query_terms = set(terms(query))
         weight = {t: self._idf.get(t, self._unseen_idf) for t in query_terms}
         expandable, misspelt = self._expandable(query_terms), self._misspelt(query_terms)
@@ -226,8 +238,7 @@ class EvidenceScorer(RelevanceScorer):
                     0.0 if reasons[-1] is None else 1.0,
                 ]
             )
-        own = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(FEATURES) - len(_LIFTED))
-        return np.hstack([own, _lift(own[:, _LIFTED], self.rival_means)]), reasons
+        return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(FEATURES) - len(_LIFTED)), reasons
 
     def _stack(self, query: str, texts: Sequence[str], evidence: np.ndarray) -> np.ndarray:
         return evidence  # a scorer that adds features of its own to these (the reader) adds them here

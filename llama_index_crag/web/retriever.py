@@ -24,6 +24,8 @@ from llama_index_crag.web.settings import WebSearchSettings
 #: Node metadata that marks a passage as coming from the web (hidden from the LLM and the embedder).
 ORIGIN_KEY = "crag_origin"
 WEB = "web"
+#: Metadata of a web strip that refers back: the subject it was graded with ("The Orrin Lighthouse").
+SUBJECT_KEY = "subject"
 
 
 @dataclass
@@ -174,12 +176,15 @@ class WebSearchRetriever(BaseRetriever):
             for i, strip in enumerate(decompose(page.text, self._strip_min_tokens, page.title)):
                 graded.append(strip.graded_text)
                 hidden = ["url", "title", ORIGIN_KEY]
+                # A strip that refers back ("It rises 41 metres ...") keeps the subject it was graded with, so that
+                # grading it again (the fallback's regrade) reads it as this retriever did; the generator sees none.
+                subject = {SUBJECT_KEY: strip.context} if strip.context else {}
                 nodes.append(
                     TextNode(
                         id_=f"web-{digest}-{i}",
                         text=strip.text,
-                        metadata={"url": page.url, "title": page.title, ORIGIN_KEY: WEB},
-                        excluded_llm_metadata_keys=list(hidden),
+                        metadata={"url": page.url, "title": page.title, ORIGIN_KEY: WEB, **subject},
+                        excluded_llm_metadata_keys=[*hidden, SUBJECT_KEY],
                         excluded_embed_metadata_keys=list(hidden),
                     )
                 )

@@ -368,14 +368,14 @@
     }
     const beside = crag.answered_by === "generate" && check.grounded !== true;
     const given = beside ? crag.quotes || [] : [];
-    // Quotes the whole-quote check withheld are still the best evidence found: shown, said to be weak.
+    // The strip the answer model withheld is still the best evidence found: shown, said to be weak.
     const qc = crag.quote_check || {};
     const weak = beside && given.length === 0 && qc.passed === false ? qc.withheld || [] : [];
     const quotes = given.length ? given : weak;
     $("evidence").hidden = quotes.length === 0;
     $("evidence-label").textContent = weak.length
-      ? "What the sources say, weakly: these strips, read together, grade " + Number(qc.grade).toFixed(3) +
-        " against the question, under the quote threshold " + Number(qc.threshold).toFixed(3) + "; they may not answer it:"
+      ? "What the sources say, weakly: the answer model gives this strip " + Number(qc.grade).toFixed(3) +
+        ", under the quote threshold " + Number(qc.threshold).toFixed(3) + "; it may not answer the question:"
       : "What the sources say:";
     $("evidence").dataset.weak = weak.length ? "true" : "false";
     $("quotes").replaceChildren(...quotes.map((q) => el("li", { "data-testid": "quote", text: "\u201c" + q.text + "\u201d (" + q.source + ")" })));

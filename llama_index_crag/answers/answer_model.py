@@ -1,0 +1,217 @@
+"""The learned answer step: which strips of the kept passages answer the question, as a probability.
+
+A small neural network over features of one (question, strip) pair: the evidence
+scorer's word features of the strip (the question's words it holds, weighted by the
+corpus's IDF, its bigrams, the kind of answer it holds, the question's figures it keeps or contradicts),
+and what a quote needs besides (whether the question asks for a kind of answer and the
+strip holds one, whether it states the question's codes and names, whether it refers
+back, how long it is, whether it is a question itself). The network is trained on
+human-labelled sentence pairs (``llama-crag train-answers``; the packaged one on QNLI,
+SQuAD 2.0 and HotpotQA sentences, with negatives made by swapping the figure or name a
+question asks about), so what it weighs was learned, not written while reading
+evaluation rows. It reads words, not embeddings, so a strip costs microseconds:
+the answer step adds no model call to a query, on any path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+from llama_index_crag.errors import ConfigError
+from llama_index_crag.scorers.answer_type import asked_kinds, asks, holds_kind
+from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.text.strips import refers_back
+
+#: The features, in the order the network reads them.
+ANSWER_FEATURES = (
+    "coverage",
+    "sentence_coverage",
+    "rare_coverage",
+    "bigram_coverage",
+    "answer_type",
+    "constraints",
+    "turned_round",
+    "asks_kind",
+    "holds_kind",
+    "codes_stated",
+    "names_stated",
+    "refers_back",
+    "log_words",
+    "is_question",
+    "is_claim",
+)
+#: The grader's verdicts on the evidence a strip comes from, each with a quote threshold of its own (evidence the
+#: fallback found is placed by its own grade).
+VERDICTS = ("correct", "ambiguous")
+#: Where the packaged network lives, with its checksum and NOTICE.
+PACKAGED_DIR = Path(__file__).resolve().parent.parent / "data" / "answer_model"
+WEIGHTS_FILE = "answer_model.npz"
+META_FILE = "answer_model.json"
+
+#: Figures and codes a question names: years, quarters, versions, regions ("2023", "Q2", "7.2.1", "EU-2").
+_CODES = re.compile(r"[\w-]*\d(?:[\w-]|\.\d)*")
+#: A range of plain numbers ("76-85"): each end must be stated, as written or as a decimal ("76.3% to 85.4%").
+_NUMBER_RANGE = re.compile(r"\d+(?:\.\d+)?-\d+(?:\.\d+)?")
+#: The space a text may put between a number and its unit ("40 mg" for "40mg").
+_UNIT_GAP = re.compile(r"(?<=\d)\s+(?=[^\W\d_])")
+#: A word that describes a code rather than belongs to it ("SF1-expressing neurons", "UCP1-dependent", "M2-like").
+_CODE_SUFFIX = re.compile(
+    r"-(?:(?:in)?dependent|expressing|like|induced|mediated|deficient|positive|negative|specific|related|associated"
+    r"|containing|derived|type)$"
+)
+#: A capitalised word with a lower-case letter ("Singapore", "McKinsey"): a name the question asks about.
+_NAME = re.compile(r"(?<![\w-])[A-Z][\w'-]*[a-z][\w'-]*")
+_NOT_NAMES = frozenset("i what who when where which how why whose whom the a an in on of and is was does did".split())
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strip the answer step may quote: its text, the text it is graded as (with the subject it refers back
+    to), and what its passage said before it (its title and text up to the strip's end)."""
+
+    text: str
+    graded_text: str
+    said_before: str = ""
+
+
+def asked_names(question: str) -> List[str]:
+    """The names ``question`` asks about, casefolded: its capitalised words but the first, and not an owner.
+
+    An owner ("Scotland's voting population") is the frame of the question, often the whole document's subject,
+    and a passage may write it another way ("Scottish") or leave it unsaid."""
+    rest = question.strip().split(None, 1)[1:]
+    found = (n.casefold() for n in _NAME.findall(rest[0] if rest else "") if not re.search(r"['’]s?$", n))
+    return list(dict.fromkeys(n for n in found if n not in _NOT_NAMES))
+
+
+def states_codes(question: str, text: str) -> bool:
+    """Whether ``text`` states every figure or code ``question`` names ("Q2 2023", "EU-2", "7.2.1").
+
+    A number may stand apart from its unit ("40 mg" states "40mg"), a code may be written with or without its
+    hyphens ("SHP-2" and "SHP2") and without a word that only describes it ("SF1" states "SF1-expressing"), and a
+    range of numbers is stated when both of its ends are ("76-85%" by "76.3% to 85.4%")."""
+    lowered = _UNIT_GAP.sub("", text.casefold())
+    for code in _CODES.findall(question.casefold()):
+        if _NUMBER_RANGE.fullmatch(code):
+            if not all(end in lowered for end in code.split("-")):
+                return False
+        elif not _states_code(code, lowered):
+            return False
+    return True
+
+
+def _states_code(code: str, text: str) -> bool:
+    """Whether casefolded ``text`` states ``code`` as written, or as a word of its own with its hyphens moved
+    and without a describing suffix ("gata-3" states "gata3"; "ap-1" does not state "p1")."""
+    if code in text:
+        return True
+    core = _CODE_SUFFIX.sub("", code).replace("-", "")
+    return bool(core) and re.search(r"(?<![^\W_])" + "-?".join(map(re.escape, core)), text) is not None
+
+
+def answer_features(question: str, candidates: Sequence[Candidate], scorer: EvidenceScorer) -> np.ndarray:
+    """``ANSWER_FEATURES`` of each candidate for ``question``, one row a candidate: words, kinds and figures
+    only, so that reading a strip costs microseconds and no embedding."""
+    if not candidates:
+        return np.zeros((0, len(ANSWER_FEATURES)))
+    words = scorer.word_features(question, [c.graded_text for c in candidates])
+    kinds = asked_kinds(question)
+    names = asked_names(question)
+    claim = not asks(question)
+    rows = []
+    for candidate in candidates:
+        said = f"{candidate.said_before} {candidate.graded_text}".casefold()
+        named = sum(1 for n in names if n in said) / len(names) if names else 1.0
+        length = len(candidate.text.split())
+        rows.append(
+            [
+                0.0 if kinds is None else 1.0,
+                1.0 if kinds is not None and holds_kind(kinds, candidate.graded_text, question) else 0.0,
+                1.0 if states_codes(question, said) else 0.0,
+                named,
+                1.0 if refers_back(candidate.text) else 0.0,
+                math.log1p(length),
+                1.0 if candidate.text.rstrip().endswith("?") else 0.0,
+                1.0 if claim else 0.0,
+            ]
+        )
+    return np.hstack([words, np.asarray(rows, dtype=np.float64)])
+
+
+class AnswerModel:
+    """A one-hidden-layer network from ``ANSWER_FEATURES`` to the probability that a strip answers the question.
+
+    Args:
+        parameters: ``mean`` and ``scale`` (feature standardisation), ``w1``, ``b1`` (hidden layer, ReLU),
+            ``w2``, ``b2`` (output logit).
+        info: What it was trained on and how it measured (held-out AUROC by source).
+    """
+
+    def __init__(self, parameters: Mapping[str, np.ndarray], info: Optional[Dict[str, Any]] = None) -> None:
+        self.parameters = {
+            k: np.asarray(parameters[k], dtype=np.float64) for k in ("mean", "scale", "w1", "b1", "w2", "b2")
+        }
+        if self.parameters["w1"].shape[0] != len(ANSWER_FEATURES):
+            raise ConfigError(
+                f"the answer model reads {self.parameters['w1'].shape[0]} features, not the {len(ANSWER_FEATURES)} "
+                "this version computes: train it again (llama-crag train-answers)"
+            )
+        self.info = dict(info or {})
+
+    @property
+    def thresholds(self) -> Dict[str, float]:
+        """The probability at which a strip is quoted, for each verdict of the grader on its evidence (correct or
+        ambiguous): chosen on the development sets' design halves, else 0.5."""
+        chosen = self.info.get("thresholds") or {}
+        return {verdict: float(chosen.get(verdict, 0.5)) for verdict in VERDICTS}
+
+    def probabilities(self, features: np.ndarray) -> np.ndarray:
+        """The probability that each row's strip answers its question."""
+        p = self.parameters
+        hidden = np.maximum(0.0, ((features - p["mean"]) / p["scale"]) @ p["w1"] + p["b1"])
+        logits = (hidden @ p["w2"]).reshape(-1) + p["b2"].reshape(-1)[0]
+        return 1.0 / (1.0 + np.exp(-np.clip(logits, -40.0, 40.0)))
+
+    def save(self, folder: Path | str) -> None:
+        """Write the network and its metadata (with the weights' checksum) to ``folder``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        arrays: Dict[str, Any] = {k: v.astype(np.float32) for k, v in self.parameters.items()}
+        np.savez(folder / WEIGHTS_FILE, **arrays)
+        meta = {**self.info, "features": list(ANSWER_FEATURES), "sha256": _sha256(folder / WEIGHTS_FILE)}
+        (folder / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, folder: Path | str) -> AnswerModel:
+        """The network saved in ``folder``, its checksum and features checked."""
+        folder = Path(folder)
+        try:
+            meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{folder} holds no readable answer model ({META_FILE}): {exc}") from exc
+        weights = folder / WEIGHTS_FILE
+        if not weights.is_file() or _sha256(weights) != meta.get("sha256"):
+            raise ConfigError(f"{weights} is missing or does not match its checksum in {META_FILE}: reinstall it")
+        if meta.get("features") != list(ANSWER_FEATURES):
+            raise ConfigError(f"the answer model in {folder} reads other features: train it again")
+        with np.load(weights) as data:
+            return cls({k: data[k] for k in data.files}, meta)
+
+
+@lru_cache(maxsize=1)
+def packaged_answer_model() -> AnswerModel:
+    """The network that ships in the package (trained on human-labelled sentence pairs; see its NOTICE)."""
+    return AnswerModel.load(PACKAGED_DIR)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
