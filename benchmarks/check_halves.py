@@ -64,9 +64,11 @@ def checkout(ref: str, out: Path) -> Path:
     return tree
 
 
-def evaluate(tree: Path, dataset: Path, out: Path, cache: Path, extra: List[str]) -> Dict[str, Any]:
-    """CRAG's figures on ``dataset`` with the code of ``tree``."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+def evaluate(
+    tree: Path, dataset: Path, out: Path, cache: Path, extra: List[str], env: Optional[Dict[str, str]] = None
+) -> Dict[str, Any]:
+    """CRAG's figures on ``dataset`` with the code of ``tree`` (and ``env`` set); its rows stay in ``out``."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(tree)}
     command = [
         sys.executable,
         "-m",

@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -29,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from check_halves import write_half  # noqa: E402
+from check_halves import evaluate, write_half  # noqa: E402
 
 from llama_index_crag.answers.answer_model import META_FILE, PACKAGED_DIR, VERDICTS  # noqa: E402
 from llama_index_crag.scorers.evidence import EvidenceScorer  # noqa: E402
@@ -41,25 +39,9 @@ UPPER = EvidenceScorer.DEFAULT_THRESHOLDS["upper"]
 def design_rows(dataset: Path, out: Path) -> List[Dict[str, Any]]:
     """CRAG's rows on the design half of ``dataset``, every answer quoted whatever its probability."""
     half = write_half(dataset, "design", out / "halves")
-    command = [
-        sys.executable,
-        "-m",
-        "llama_index_crag.cli",
-        "eval",
-        "--dataset",
-        str(half),
-        "--systems",
-        "crag",
-        "--no-generate",
-        "--no-progress",
-        "--cache-dir",
-        str(out / "cache"),
-        "--out",
-        str(out / "design" / dataset.name),
-    ]
-    env = {**os.environ, "CRAG_QUOTE_THRESHOLD": "0"}
-    subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-    results = json.loads((out / "design" / dataset.name / "results.json").read_text(encoding="utf-8"))
+    folder = out / "design" / dataset.name
+    evaluate(ROOT, half, folder, out / "cache", [], env={"CRAG_QUOTE_THRESHOLD": "0"})
+    results = json.loads((folder / "results.json").read_text(encoding="utf-8"))
     return [r for r in results["rows"] if r["system"] == "crag"]
 
 

@@ -28,18 +28,12 @@ import numpy as np
 
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.answer_type import asked_kinds, asks, holds_kind
-from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.scorers.evidence import WORD_FEATURES, EvidenceScorer
 from llama_index_crag.text.strips import refers_back
 
 #: The features, in the order the network reads them.
 ANSWER_FEATURES = (
-    "coverage",
-    "sentence_coverage",
-    "rare_coverage",
-    "bigram_coverage",
-    "answer_type",
-    "constraints",
-    "turned_round",
+    *WORD_FEATURES,
     "asks_kind",
     "holds_kind",
     "codes_stated",

@@ -33,6 +33,8 @@ FEATURES = (
     "coverage_lift",
     "sentence_coverage_lift",
 )
+#: The features that need no embedding and no other passage: what the answer step reads of a strip (``word_features``).
+WORD_FEATURES = FEATURES[1:8]
 #: Features added since calibration files were first written. A file fitted without one weighs it 0, which is
 #: the model it was fitted as, so an older calibration still loads and scores as it did.
 ADDED_FEATURES = ("turned_round",)
@@ -191,8 +193,7 @@ class EvidenceScorer(RelevanceScorer):
         return self._stack(query, texts, self._read_features(query, texts)[0])
 
     def word_features(self, query: str, texts: Sequence[str]) -> np.ndarray:
-        """The features of each passage that need no embedding and no other passage (``FEATURES`` from
-        ``coverage`` to ``turned_round``), one row a passage: what the answer step reads of each strip."""
+        """The ``WORD_FEATURES`` of each passage, one row a passage: what the answer step reads of each strip."""
         return self._own_features(query, texts, [0.0] * len(texts))[0][:, 1:]
 
     def _read_features(self, query: str, texts: Sequence[str]) -> Tuple[np.ndarray, List[Optional[str]]]:
