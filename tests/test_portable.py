@@ -114,11 +114,12 @@ def test_the_demo_asked_to_generate_without_a_working_generator_quotes_instead(
 @pytest.mark.slow
 def test_the_bundled_generator_runs_in_a_child_process() -> None:
     check = check_generation()
-    assert check.status == OK, check
+    # Under load the verdict may be the reading-speed warning (its own tests set the speed); it still generated.
+    assert check.status == OK or "slower than a person reads" in check.detail, check
     assert re.search(r"generates \d+ tokens/s", check.detail)
     cores = usable_cores()
-    assert check.detail.endswith(f" on {cores} thread{'' if cores == 1 else 's'}")  # the threads the model runs on
-    assert check_generation(n_threads=1).detail.endswith(" on 1 thread")
+    assert f" on {cores} thread{'' if cores == 1 else 's'}" in check.detail  # the threads the model runs on
+    assert " on 1 thread" in check_generation(n_threads=1).detail
 
 
 @pytest.mark.slow
@@ -140,7 +141,8 @@ def test_doctor_checks_every_part_and_says_what_to_fix(capsys: pytest.CaptureFix
     assert checks["grader"]["status"] == OK and checks["grader"]["detail"].startswith(default_scorer().name)
     assert checks["Ollama"]["status"] == "warn" and "ollama pull" in checks["Ollama"]["fix"]
     assert checks["llama.cpp build"]["status"] == OK and "(portable)" in checks["llama.cpp build"]["detail"]
-    assert checks["generator (llama.cpp)"]["status"] == OK
+    generator = checks["generator (llama.cpp)"]
+    assert generator["status"] == OK or "slower than a person reads" in generator["detail"]
     assert all(c["seconds"] >= 0 for c in checks.values())
 
 
@@ -164,7 +166,7 @@ def test_the_command_line_runs_torch_on_the_usable_cores_unless_told(
     run = subprocess.run([sys.executable, "-c", ONE_CORE_DOCTOR], env=env, capture_output=True, text=True, timeout=300)
     checks = {c["name"]: c["detail"] for c in json.loads(run.stdout)}
     assert checks["torch"].endswith(torch_line), checks["torch"]  # torch's default here is every core the machine has
-    assert checks["generator (llama.cpp)"].endswith(generator_line)
+    assert generator_line in checks["generator (llama.cpp)"]
 
 
 def test_the_usable_cores_are_told_to_torch_only_while_a_command_runs(monkeypatch: pytest.MonkeyPatch) -> None:
