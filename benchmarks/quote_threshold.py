@@ -1,16 +1,18 @@
-"""The answer model's quote thresholds, one per grader verdict, chosen on the design halves of the shared sets.
+"""The answer model's quote decision, fitted on the design halves of the shared sets.
 
 Runs ``llama-crag eval --no-generate --systems crag`` on each set's design half with
 ``CRAG_QUOTE_THRESHOLD=0`` (the best strip is always quoted, and the trace keeps its
-probability), then replays thresholds on those rows: a row answered at 0 is answered
-when its best strip's probability reaches the threshold of the grader's verdict on its
-evidence (correct or ambiguous; evidence the fallback found goes by its own grade, and
-is taken for ambiguous in rows that did not record it). It prints each
-set's figures for one threshold for every verdict, and chooses the three that give the
-best mean truthfulness with every set's false abstention at most
-``--max-false-abstention``; ``--write`` stores them in the packaged answer model:
+probability), then replays decisions on those rows. A decision (``QuoteDecision``) asks
+the best strip for a probability that falls as the grade of its evidence rises:
+``sigmoid(bias - grade_weight * place)``, ``place`` being where the grade sits between
+the grader's thresholds (0 at lower, 1 at upper; evidence the fallback found goes by its
+own grade). It prints each set's figures for one threshold whatever the grade, then
+chooses the two numbers that give the best mean truthfulness with every set's false
+abstention at most ``--max-false-abstention``, and each set's figures under a decision
+fitted on the other sets alone (does it transfer?); ``--write`` stores the decision in
+the packaged answer model:
 
-    OMP_NUM_THREADS=2 python benchmarks/quote_threshold.py --write
+    OMP_NUM_THREADS=2 python benchmarks/quote_threshold.py --sets squad2,clapnq --write
 
 The check halves are never read here; report them with ``benchmarks/check_halves.py``.
 """
@@ -18,22 +20,29 @@ The check halves are never read here; report them with ``benchmarks/check_halves
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from check_halves import evaluate, write_half  # noqa: E402
 
-from llama_index_crag.answers.answer_model import META_FILE, PACKAGED_DIR, VERDICTS  # noqa: E402
+from llama_index_crag.answers.answer_model import META_FILE, PACKAGED_DIR, QuoteDecision, evidence_place  # noqa: E402
+from llama_index_crag.core.answering import evidence_grade  # noqa: E402
 from llama_index_crag.scorers.evidence import EvidenceScorer  # noqa: E402
 
-#: The band of a fallback's grade that counts as correct: the offline default's ``upper``.
+#: The offline default grader's thresholds, which place each row's grade.
 UPPER = EvidenceScorer.DEFAULT_THRESHOLDS["upper"]
+LOWER = EvidenceScorer.DEFAULT_THRESHOLDS["lower"]
+#: The decisions tried: grade weights, biases (logits) and floors.
+WEIGHTS = [round(0.25 * i, 2) for i in range(41)]
+BIASES = [round(-8.0 + 0.1 * i, 1) for i in range(121)]
+FLOORS = [round(0.05 * i, 2) for i in range(7)]
 
 
 def design_rows(dataset: Path, out: Path) -> List[Dict[str, Any]]:
@@ -45,16 +54,17 @@ def design_rows(dataset: Path, out: Path) -> List[Dict[str, Any]]:
     return [r for r in results["rows"] if r["system"] == "crag"]
 
 
-def replay(rows: List[Dict[str, Any]], thresholds: Dict[str, float]) -> Dict[str, float]:
-    """The figures at ``thresholds`` (per verdict): a row answered at 0 abstains when its best strip falls under
-    the threshold of its verdict."""
+def place(row: Dict[str, Any]) -> Optional[float]:
+    """Where the grade of the row's evidence sits between the offline default's thresholds."""
+    return evidence_place(evidence_grade(row["action"], row.get("top_score"), row.get("retry_score")), UPPER, LOWER)
+
+
+def replay(rows: List[Dict[str, Any]], decision: QuoteDecision) -> Dict[str, float]:
+    """The figures under ``decision``: a row answered at 0 abstains when its best strip falls under the threshold
+    at its evidence's place."""
 
     def abstained(row: Dict[str, Any]) -> bool:
-        verdict = row["action"]
-        if verdict == "incorrect":
-            retry = row.get("retry_score")
-            verdict = "ambiguous" if retry is None else ("correct" if retry >= UPPER else "ambiguous")
-        return bool(row["abstained"]) or (row.get("quote_grade") or 0.0) < thresholds.get(verdict, 0.0)
+        return bool(row["abstained"]) or (row.get("quote_grade") or 0.0) < decision.threshold(place(row))
 
     def share(kind: str, test: Any) -> float:
         mine = [r for r in rows if r["kind"] == kind]
@@ -69,46 +79,78 @@ def replay(rows: List[Dict[str, Any]], thresholds: Dict[str, float]) -> Dict[str
     }
 
 
+def fit(sets: Sequence[List[Dict[str, Any]]], max_false_abstention: float) -> Optional[QuoteDecision]:
+    """The decision with the best mean truthfulness over ``sets`` whose false abstention is at most
+    ``max_false_abstention`` on each (the lower floor, the smaller grade weight, then the lower bias, among
+    equals). Every row is read once: the decisions are tried on arrays of its probability, place and outcome."""
+    columns = [_columns(rows) for rows in sets]
+    best: Optional[Tuple[float, QuoteDecision]] = None
+    places = [np.asarray([0.0 if p is None else p for p in c["place"]]) for c in columns]
+    for floor in FLOORS:
+        for weight in WEIGHTS:
+            for bias in BIASES:
+                figures = []
+                for c, place_ in zip(columns, places):
+                    needed = np.maximum(floor, 1.0 / (1.0 + np.exp(-np.clip(bias - weight * place_, -40, 40))))
+                    abstained = c["abstained"] | (c["probability"] < needed)
+                    scores = np.where(abstained, 0.0, c["score"])
+                    figures.append((abstained[c["answerable"]].mean(), scores.mean()))
+                if all(fa <= max_false_abstention for fa, _ in figures):
+                    mean = float(np.mean([t for _, t in figures]))
+                    if best is None or mean > best[0] + 1e-9:
+                        best = (mean, QuoteDecision(weight, bias, floor))
+    return None if best is None else best[1]
+
+
+def _columns(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    return {
+        "place": [place(r) for r in rows],
+        "probability": np.asarray([r.get("quote_grade") or 0.0 for r in rows]),
+        "abstained": np.asarray([bool(r["abstained"]) for r in rows]),
+        "score": np.asarray([1.0 if r["correct"] else -1.0 for r in rows]),
+        "answerable": np.asarray([r["kind"] == "answerable" for r in rows]),
+    }
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", default=str(ROOT.parent / "shared" / "datasets"), help="the shared sets")
     parser.add_argument("--sets", default="squad2,clapnq,scifact", help="comma-separated sets")
     parser.add_argument("--out", default="eval-out/halves", help="rows and halves")
     parser.add_argument("--max-false-abstention", type=float, default=0.05, help="on every set")
-    parser.add_argument("--write", action="store_true", help="store the chosen thresholds in the packaged model")
+    parser.add_argument("--write", action="store_true", help="store the chosen decision in the packaged model")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     rows = {name: design_rows(Path(args.datasets) / name, out) for name in args.sets.split(",")}
-    grid = [round(0.05 * i, 2) for i in range(15)]
-    print("One threshold for every verdict:\n")
+    print("One threshold whatever the grade:\n")
     print("| threshold | " + " | ".join(f"{n}: false abst. / truthful. / ooc / unans." for n in rows) + " |")
     print("|---:|" + "---|" * len(rows))
-    for t in grid:
-        figures = [replay(r, dict.fromkeys(VERDICTS, t)) for r in rows.values()]
+    for t in [round(0.05 * i, 2) for i in range(15)]:
+        figures = [replay(r, QuoteDecision.constant(t)) for r in rows.values()]
         print(f"| {t:.2f} | " + " | ".join(_cells(f) for f in figures) + " |")
-    best: Optional[Tuple[float, Dict[str, float]]] = None
-    for chosen in itertools.product(grid, repeat=len(VERDICTS)):
-        thresholds = dict(zip(VERDICTS, chosen))
-        figures = [replay(r, thresholds) for r in rows.values()]
-        if all(f["false_abstention"] <= args.max_false_abstention for f in figures):
-            mean = sum(f["truthfulness"] for f in figures) / len(figures)
-            if best is None or mean > best[0] + 1e-9:
-                best = (mean, thresholds)
-    if best is None:
-        print(f"\nNo thresholds keep every set's false abstention at most {args.max_false_abstention}.")
+    chosen = fit(list(rows.values()), args.max_false_abstention)
+    if chosen is None:
+        print(f"\nNo decision keeps every set's false abstention at most {args.max_false_abstention}.")
         return 1
-    print(f"\nChosen, per verdict: {best[1]} (best mean truthfulness, {100 * best[0]:.1f}%, with false abstention at ")
-    print(f"most {args.max_false_abstention} on each design half):\n")
+    print(
+        f"\nChosen: grade weight {chosen.grade_weight}, bias {chosen.bias}, floor {chosen.floor} (threshold "
+        + ", ".join(f"{chosen.threshold(p):.2f} at place {p}" for p in (0.0, 0.5, 1.0))
+        + f"): best mean truthfulness with false abstention at most {args.max_false_abstention} on each design half."
+    )
+    print("\n(false abstention / truthfulness / out of corpus / unanswerable, %)\n")
     for name, r in rows.items():
-        print(
-            f"- {name}: {_cells(replay(r, best[1]))} (false abstention / truthfulness / out of corpus / unanswerable)"
-        )
+        others = [v for k, v in rows.items() if k != name]
+        alone = fit(others, args.max_false_abstention) if others else None
+        transfer = "" if alone is None else f"; fitted on the others alone: {_cells(replay(r, alone))}"
+        print(f"- {name}: {_cells(replay(r, chosen))}{transfer}")
     if args.write:
         meta = json.loads((PACKAGED_DIR / META_FILE).read_text(encoding="utf-8"))
-        meta["thresholds"] = best[1]
-        meta["thresholds_chosen_on"] = f"design halves of {', '.join(rows)}: benchmarks/quote_threshold.py"
+        meta.pop("thresholds", None)
+        meta.pop("thresholds_chosen_on", None)
+        meta["decision"] = chosen.to_dict()
+        meta["decision_chosen_on"] = f"design halves of {', '.join(rows)}: benchmarks/quote_threshold.py"
         (PACKAGED_DIR / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        print(f"\nWrote them to {PACKAGED_DIR / META_FILE}.")
+        print(f"\nWrote it to {PACKAGED_DIR / META_FILE}.")
     return 0
 
 

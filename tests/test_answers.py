@@ -8,7 +8,7 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import pytest
@@ -24,8 +24,10 @@ from llama_index_crag.answers.answer_model import (
     WEIGHTS_FILE,
     AnswerModel,
     Candidate,
+    QuoteDecision,
     answer_features,
     asked_names,
+    evidence_place,
     packaged_answer_model,
     states_codes,
 )
@@ -35,7 +37,7 @@ from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.calibration.answer_training import swapped
 from llama_index_crag.cli import main
-from llama_index_crag.core.answering import evidence_verdict
+from llama_index_crag.core.answering import evidence_grade
 from llama_index_crag.datasets import Question, load_documents, load_questions
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.evidence import EvidenceScorer
@@ -157,11 +159,9 @@ def test_extract_mode_quotes_the_best_strips_with_their_source_and_generates_not
     texts = [n.node.get_content() for n in response.source_nodes]
     assert all(any(q["text"] in " ".join(t.split()) for t in texts) for q in trace["quotes"]), "quotes are verbatim"
     assert llm.calls["answer"] == 0 and trace["grounded"] is None
-    # The answer model gave the quoted strip a probability at or above its threshold.
+    # The answer model gave the quoted strip a probability at or above the threshold at its evidence's grade.
     check = trace["quote_check"]
-    assert (
-        check["passed"] and check["grade"] >= check["threshold"] == packaged_answer_model().thresholds[trace["action"]]
-    )
+    assert check["passed"] and check["grade"] >= check["threshold"] == _threshold_at(trace)
     assert check["withheld"] == [] and all(q["score"] >= check["threshold"] for q in trace["quotes"])
 
 
@@ -187,14 +187,48 @@ def test_strips_on_the_subject_that_do_not_answer_are_withheld_and_the_engine_ab
     assert [q["text"] for q in trace["quotes"]] == [q["text"] for q in check["withheld"]]
 
 
-def test_the_quote_threshold_is_the_answer_models_for_the_verdict_by_default(sample_index: VectorStoreIndex) -> None:
+def _threshold_at(trace: Dict[str, Any]) -> float:
+    """The packaged decision's threshold for the evidence a trace graded."""
+    grade = evidence_grade(trace["action"], trace["top_score"], trace["retry_score"])
+    place = evidence_place(grade, trace["upper"], trace["lower"])
+    assert trace["quote_check"]["evidence_place"] == pytest.approx(place, abs=1e-4)
+    return round(packaged_answer_model().decision.threshold(place), 4)
+
+
+def test_the_quote_threshold_follows_the_grade_of_the_evidence_by_default(sample_index: VectorStoreIndex) -> None:
     trace = crag(
         CorrectiveQueryEngine.from_defaults(index=sample_index, answer_mode="extract").query(
             "What net income did the company report for fiscal year 2023?"
         )
     )
-    trace_threshold = trace["quote_check"]["threshold"]
-    assert trace_threshold == packaged_answer_model().thresholds[trace["action"]]
+    assert trace["quote_check"]["threshold"] == _threshold_at(trace)
+
+
+def test_a_quote_decision_asks_less_of_a_strip_the_better_its_evidence_graded() -> None:
+    decision = packaged_answer_model().decision
+    thresholds = [decision.threshold(p) for p in (-1.0, 0.0, 0.5, 1.0, 2.0)]
+    assert thresholds == sorted(thresholds, reverse=True) and thresholds[0] > thresholds[-1]
+    # However well the evidence graded, the best strip must reach the floor.
+    assert thresholds[-1] == decision.floor and QuoteDecision(10.0, 0.0, floor=0.2).threshold(2.0) == 0.2
+    # Unknown evidence is read at the lower threshold; a constant decision ignores the grade.
+    assert decision.threshold(None) == decision.threshold(0.0)
+    constant = QuoteDecision.constant(0.3)
+    assert constant.threshold(-1.0) == pytest.approx(0.3) == pytest.approx(constant.threshold(2.0))
+    with pytest.raises(ConfigError, match="probability"):
+        QuoteDecision.constant(1.5)
+    # The grade's place between the thresholds, clipped; another scorer's thresholds place its own grades.
+    assert evidence_place(0.45, upper=0.8, lower=0.45) == 0.0 and evidence_place(0.8, upper=0.8, lower=0.45) == 1.0
+    assert evidence_place(0.0, upper=0.8, lower=0.45) == -1.0 and evidence_place(None, 0.8, 0.45) is None
+    assert evidence_place(0.9, upper=0.99, lower=0.6) == pytest.approx(0.3 / 0.39)
+
+
+def test_an_older_answer_model_folder_quotes_at_its_threshold_whatever_the_grade(tmp_path: Path) -> None:
+    model = packaged_answer_model()
+    older = AnswerModel(model.parameters, {k: v for k, v in model.info.items() if k != "decision"})
+    older.info["thresholds"] = {"correct": 0.4, "ambiguous": 0.4}
+    older.save(tmp_path)
+    loaded = AnswerModel.load(tmp_path).decision
+    assert loaded.threshold(1.5) == pytest.approx(0.4) == pytest.approx(loaded.threshold(0.0))
 
 
 @pytest.mark.parametrize(
@@ -258,18 +292,18 @@ def test_the_answer_features_read_the_kind_of_answer_the_names_and_the_strip_its
     assert claim[0, column["is_claim"]] == 1.0 and claim[0, column["asks_kind"]] == 0.0
 
 
-def test_the_packaged_answer_model_loads_with_its_checksum_notice_and_threshold() -> None:
+def test_the_packaged_answer_model_loads_with_its_checksum_notice_and_decision() -> None:
     model = packaged_answer_model()
-    assert set(model.thresholds) == {"correct", "ambiguous"}
-    # Evidence the grader was less sure of needs a strip that shows more (chosen on the design halves).
-    assert 0.0 <= model.thresholds["correct"] <= model.thresholds["ambiguous"] < 1.0
+    # Evidence the grader was less sure of needs a strip that shows more (fitted on the design halves).
+    assert model.info["decision"]["grade_weight"] > 0 and "design halves" in model.info["decision_chosen_on"]
+    assert 0.0 <= model.decision.threshold(1.0) <= model.decision.threshold(0.0) < 1.0
     assert model.info["held_out_auroc"] > model.info["held_out_auroc_coverage_alone"]
     assert "CC BY-SA 4.0" in (PACKAGED_DIR / "NOTICE").read_text(encoding="utf-8")
 
 
 def test_an_answer_model_whose_weights_do_not_match_their_checksum_is_refused(tmp_path: Path) -> None:
     packaged_answer_model().save(tmp_path)
-    assert AnswerModel.load(tmp_path).thresholds == packaged_answer_model().thresholds
+    assert AnswerModel.load(tmp_path).decision == packaged_answer_model().decision
     with np.load(tmp_path / WEIGHTS_FILE) as data:
         tampered = {k: data[k] for k in data.files}
     tampered["b2"] = tampered["b2"] + 5.0
@@ -315,11 +349,12 @@ def test_under_the_threshold_nothing_is_quoted_and_the_best_strip_is_withheld() 
     passage = "The Orrin Lighthouse on Skerra Island was first lit in 1871. Its keepers left in 1960."
     nodes = [NodeWithScore(node=TextNode(text=passage), score=0.9)]
     scorer = EvidenceScorer(corpus=[passage])
-    strict = EvidenceQuoter(scorer, strip_min_tokens=3, answer_threshold=1.0).quote("Who painted it?", nodes)
+    strict = EvidenceQuoter(scorer, strip_min_tokens=3, answer_threshold=1.0).quote("Who painted it?", nodes, 0.5)
     assert strict.quotes == [] and len(strict.withheld) == 1 and strict.grade is not None and strict.grade < 1.0
     assert strict.check() == {
         "grade": strict.grade,
         "threshold": 1.0,
+        "evidence_place": 0.5,
         "passed": False,
         "withheld": [asdict(strict.withheld[0])],
     }
@@ -330,14 +365,13 @@ def test_under_the_threshold_nothing_is_quoted_and_the_best_strip_is_withheld() 
 
 
 @pytest.mark.parametrize(
-    ("action", "retry_score", "verdict"),
-    [("correct", None, "correct"), ("ambiguous", None, "ambiguous"), ("incorrect", 0.99, "correct"),
-     ("incorrect", 0.6, "ambiguous")],
+    ("action", "retry_score", "grade"),
+    [("correct", None, 0.9), ("ambiguous", None, 0.9), ("incorrect", 0.99, 0.99), ("incorrect", None, 0.9)],
 )  # fmt: skip
 def test_evidence_the_fallback_found_is_placed_by_its_own_grade(
-    action: str, retry_score: Optional[float], verdict: str
+    action: str, retry_score: Optional[float], grade: float
 ) -> None:
-    assert evidence_verdict(action, retry_score, upper=0.8, lower=0.45) == verdict
+    assert evidence_grade(action, 0.9, retry_score) == grade
 
 
 def test_an_unknown_quote_preset_is_refused() -> None:

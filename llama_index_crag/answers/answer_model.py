@@ -43,9 +43,8 @@ ANSWER_FEATURES = (
     "is_question",
     "is_claim",
 )
-#: The grader's verdicts on the evidence a strip comes from, each with a quote threshold of its own (evidence the
-#: fallback found is placed by its own grade).
-VERDICTS = ("correct", "ambiguous")
+#: How far below the lower threshold and above the upper one a grade still moves the quote threshold, in bands.
+PLACE_RANGE = (-1.0, 2.0)
 #: Where the packaged network lives, with its checksum and NOTICE.
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "data" / "answer_model"
 WEIGHTS_FILE = "answer_model.npz"
@@ -141,6 +140,51 @@ def answer_features(question: str, candidates: Sequence[Candidate], scorer: Evid
     return np.hstack([words, np.asarray(rows, dtype=np.float64)])
 
 
+def evidence_place(grade: Optional[float], upper: float, lower: float) -> Optional[float]:
+    """Where the grader's grade of the evidence sits between its two thresholds: 0 at ``lower``, 1 at ``upper``
+    (clipped to ``PLACE_RANGE``), so that a decision fitted on one scorer's grades reads another's; None without a
+    grade."""
+    if grade is None:
+        return None
+    place = (float(grade) - lower) / (upper - lower) if upper > lower else (1.0 if grade >= upper else 0.0)
+    return min(max(place, PLACE_RANGE[0]), PLACE_RANGE[1])
+
+
+@dataclass(frozen=True)
+class QuoteDecision:
+    """When the best strip is quoted: its probability must reach a threshold that falls as the grader's grade of
+    its evidence rises, ``sigmoid(bias - grade_weight * place)`` (``place`` from ``evidence_place``), and never
+    falls under ``floor``.
+
+    One stacked decision over the two things the engine knows of an answer, the passage's grade and the strip's
+    probability: a strip of a passage graded well above ``upper`` is quoted at a low probability (but not under
+    ``floor``), one of a passage graded near ``lower`` must show much more. Its three numbers are fitted on the
+    design halves of the development sets (``benchmarks/quote_threshold.py``); evidence of unknown grade is read at
+    the lower threshold (place 0).
+    """
+
+    grade_weight: float
+    bias: float
+    floor: float = 0.0
+
+    def threshold(self, place: Optional[float]) -> float:
+        """The probability the best strip needs, for evidence at ``place``."""
+        logit = self.bias - self.grade_weight * (0.0 if place is None else place)
+        return max(self.floor, 1.0 / (1.0 + math.exp(-min(max(logit, -40.0), 40.0))))
+
+    @classmethod
+    def constant(cls, threshold: float) -> QuoteDecision:
+        """The same threshold whatever the grade (``quote_threshold``, ``train-answers --threshold``)."""
+        if not 0.0 <= threshold <= 1.0:
+            raise ConfigError(f"a quote threshold is a probability, from 0 to 1, got {threshold}")
+        clipped = min(max(threshold, 1e-12), 1.0 - 1e-12)
+        return cls(0.0, math.log(clipped / (1.0 - clipped)))
+
+    def to_dict(self) -> Dict[str, float]:
+        """As stored in the model's metadata."""
+        return {"grade_weight": self.grade_weight, "bias": self.bias, "floor": self.floor}
+
+
 class AnswerModel:
     """A one-hidden-layer network from ``ANSWER_FEATURES`` to the probability that a strip answers the question.
 
@@ -162,11 +206,17 @@ class AnswerModel:
         self.info = dict(info or {})
 
     @property
-    def thresholds(self) -> Dict[str, float]:
-        """The probability at which a strip is quoted, for each verdict of the grader on its evidence (correct or
-        ambiguous): chosen on the development sets' design halves, else 0.5."""
-        chosen = self.info.get("thresholds") or {}
-        return {verdict: float(chosen.get(verdict, 0.5)) for verdict in VERDICTS}
+    def decision(self) -> QuoteDecision:
+        """When a strip is quoted (``QuoteDecision``): the model's own, fitted on the development sets' design
+        halves; for a folder ``train-answers`` wrote before decisions, its threshold (the strictest of its verdicts'),
+        whatever the grade; else 0.5."""
+        chosen = self.info.get("decision")
+        if isinstance(chosen, Mapping):
+            return QuoteDecision(float(chosen["grade_weight"]), float(chosen["bias"]), float(chosen.get("floor", 0.0)))
+        older = self.info.get("thresholds")
+        if isinstance(older, Mapping) and older:
+            return QuoteDecision.constant(max(float(v) for v in older.values()))
+        return QuoteDecision.constant(0.5)
 
     def probabilities(self, features: np.ndarray) -> np.ndarray:
         """The probability that each row's strip answers its question."""

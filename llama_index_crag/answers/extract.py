@@ -13,7 +13,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from llama_index.core.schema import NodeWithScore
 
 from llama_index_crag.answers.abstracts import QUOTE_PRESETS, QuoteRule
-from llama_index_crag.answers.answer_model import AnswerModel, Candidate, answer_features, packaged_answer_model
+from llama_index_crag.answers.answer_model import (
+    AnswerModel,
+    Candidate,
+    QuoteDecision,
+    answer_features,
+    packaged_answer_model,
+)
 from llama_index_crag.answers.sources import source_name
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.base import RelevanceScorer
@@ -40,14 +46,17 @@ class QuotedAnswer:
     """The quotes of an extractive answer, in document order.
 
     ``grade`` is the answer model's probability that the best strip answers the question
-    (None when the context held no strip); ``threshold`` the probability a strip needed;
-    ``withheld`` holds the best strip when it fell under it and nothing was quoted.
+    (None when the context held no strip); ``threshold`` the probability a strip needed,
+    given ``evidence``, where the grader's grade of the passages sat between its
+    thresholds (0 at lower, 1 at upper; None when not given); ``withheld`` holds the best
+    strip when it fell under the threshold and nothing was quoted.
     """
 
     quotes: List[Quote]
     grade: Optional[float] = None
     withheld: List[Quote] = field(default_factory=list)
     threshold: float = 0.0
+    evidence: Optional[float] = None
 
     @property
     def text(self) -> str:
@@ -62,12 +71,14 @@ class QuotedAnswer:
         return [asdict(q) for q in self.quotes]
 
     def check(self) -> Optional[Dict[str, Any]]:
-        """The answer step's check for the trace: the best strip's probability, the threshold, and what was withheld."""
+        """The answer step's check for the trace: the best strip's probability, the threshold it needed at the
+        evidence's place, and what was withheld."""
         if self.grade is None:
             return None
         return {
             "grade": self.grade,
             "threshold": self.threshold,
+            "evidence_place": self.evidence,
             "passed": not self.withheld,
             "withheld": [asdict(q) for q in self.withheld],
         }
@@ -86,18 +97,18 @@ class EvidenceQuoter:
     the probability that it answers the question (``answers.answer_model``). The best
     ``max_quotes`` strips at or above the quote threshold are quoted, a passage's
     sentences in their own order; when none reaches it, nothing is quoted, the best strip
-    is kept in the trace as withheld, and the engine abstains. The threshold is the
-    model's own for the grader's verdict on the evidence (``thresholds``: a strip from
-    passages graded AMBIGUOUS must show more than one from passages graded CORRECT), or
-    ``answer_threshold`` for every verdict.
+    is kept in the trace as withheld, and the engine abstains. The threshold follows the
+    grader's grade of the evidence (the model's ``QuoteDecision``: a strip of passages
+    graded near the lower threshold must show more than one of passages graded above the
+    upper), or is ``answer_threshold`` whatever the grade.
 
     Args:
         scorer: The grader's scorer: its word statistics and bi-encoder give the model's features (another kind
             of scorer lends its bi-encoder, with every word weighed the same).
         max_quotes: The most strips quoted.
         strip_min_tokens: Strip size, as the refiner's.
-        answer_threshold: The probability a strip must reach to be quoted, whatever the verdict; None: the
-            model's own per verdict, chosen on the design halves of the development sets.
+        answer_threshold: The probability a strip must reach to be quoted, whatever the grade; None: the model's
+            own decision, fitted on the design halves of the development sets.
         model: The answer model (the packaged one by default).
         preset: Rules a corpus opts into (``answers.abstracts.QUOTE_PRESETS``): ``structured_abstracts``.
     """
@@ -116,10 +127,8 @@ class EvidenceQuoter:
         self.model = model or packaged_answer_model()
         self.max_quotes = max_quotes
         self.strip_min_tokens = strip_min_tokens
-        self.thresholds: Dict[str, float] = (
-            dict(self.model.thresholds)
-            if answer_threshold is None
-            else dict.fromkeys(self.model.thresholds, float(answer_threshold))
+        self.decision: QuoteDecision = (
+            self.model.decision if answer_threshold is None else QuoteDecision.constant(float(answer_threshold))
         )
         if preset is not None and preset not in QUOTE_PRESETS:
             raise ConfigError(f"unknown quote preset {preset!r}: choose {', '.join(QUOTE_PRESETS)}")
@@ -142,23 +151,25 @@ class EvidenceQuoter:
                 found.append((Candidate(text, strip.graded_text, f"{title} {said}"), node, rank, position))
         return found
 
-    def threshold(self, verdict: Optional[str] = None) -> float:
-        """The probability a strip needs to be quoted from evidence the grader gave ``verdict`` ("correct" or
-        "ambiguous"; the strictest when the verdict is not known)."""
-        return self.thresholds.get(verdict or "", max(self.thresholds.values()))
+    def threshold(self, place: Optional[float] = None) -> float:
+        """The probability a strip needs to be quoted from evidence at ``place`` between the grader's thresholds
+        (``answer_model.evidence_place``: 0 at lower, 1 at upper; read as 0 when not known)."""
+        return self.decision.threshold(place)
 
-    def quote(self, question: str, nodes: Sequence[NodeWithScore], verdict: Optional[str] = None) -> QuotedAnswer:
-        """The quoted answer to ``question`` from ``nodes`` (empty when they hold no text), graded ``verdict``."""
-        threshold = self.threshold(verdict)
+    def quote(self, question: str, nodes: Sequence[NodeWithScore], place: Optional[float] = None) -> QuotedAnswer:
+        """The quoted answer to ``question`` from ``nodes`` (empty when they hold no text), their grade at
+        ``place``."""
+        threshold = round(self.threshold(place), 4)
+        evidence = None if place is None else round(place, 4)
         found = self.candidates(nodes)
         if not found:
-            return QuotedAnswer([], threshold=threshold)
+            return QuotedAnswer([], threshold=threshold, evidence=evidence)
         features = answer_features(question, [f[0] for f in found], self.evidence)
         probabilities = self.model.probabilities(features)
         ranked = sorted(range(len(found)), key=lambda i: -probabilities[i])
         ranked = [i for i in ranked if not any(rule(question, found[i][0].text) for rule in self.rules)]
         if not ranked:
-            return QuotedAnswer([], threshold=threshold)
+            return QuotedAnswer([], threshold=threshold, evidence=evidence)
         seen: set[str] = set()
         chosen: List[int] = []
         for i in ranked:
@@ -170,15 +181,16 @@ class EvidenceQuoter:
         best = round(float(probabilities[ranked[0]]), 4)
         if not chosen:
             withheld = [_quote(found[ranked[0]], probabilities[ranked[0]])]
-            return QuotedAnswer([], grade=best, withheld=withheld, threshold=threshold)
+            return QuotedAnswer([], grade=best, withheld=withheld, threshold=threshold, evidence=evidence)
         chosen.sort(key=lambda i: found[i][2:])
-        return QuotedAnswer([_quote(found[i], probabilities[i]) for i in chosen], grade=best, threshold=threshold)
+        quotes = [_quote(found[i], probabilities[i]) for i in chosen]
+        return QuotedAnswer(quotes, grade=best, threshold=threshold, evidence=evidence)
 
     async def aquote(
-        self, question: str, nodes: Sequence[NodeWithScore], verdict: Optional[str] = None
+        self, question: str, nodes: Sequence[NodeWithScore], place: Optional[float] = None
     ) -> QuotedAnswer:
         """``quote`` off the event loop (reading strips is CPU-bound)."""
-        return await asyncio.to_thread(self.quote, question, nodes, verdict)
+        return await asyncio.to_thread(self.quote, question, nodes, place)
 
 
 def _quote(found: Tuple[Candidate, NodeWithScore, int, int], probability: float) -> Quote:

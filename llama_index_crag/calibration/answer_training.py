@@ -19,9 +19,9 @@ from tqdm import tqdm
 
 from llama_index_crag.answers.answer_model import (
     ANSWER_FEATURES,
-    VERDICTS,
     AnswerModel,
     Candidate,
+    QuoteDecision,
     answer_features,
     asked_names,
 )
@@ -126,12 +126,12 @@ def train_answer_model(
     progress: bool = True,
     seed: int = 0,
     max_iter: int = 400,
-    thresholds: Optional[Dict[str, float]] = None,
+    threshold: float = 0.5,
 ) -> Dict[str, Any]:
     """Train the answer network on the sentence pairs of ``pairs_file``, write it to ``out``; its figures.
 
-    ``thresholds`` are the probabilities at which the engine quotes a strip, per verdict of the grader on its
-    evidence (``quote_threshold`` overrides them); 0.5 each by default."""
+    ``threshold`` is the probability at which the engine quotes a strip, whatever the grade of its evidence
+    (``benchmarks/quote_threshold.py`` fits one that follows the grade; ``quote_threshold`` overrides both)."""
     from sklearn.metrics import roc_auc_score
     from sklearn.neural_network import MLPClassifier
 
@@ -181,7 +181,7 @@ def train_answer_model(
         "held_out_auroc_by_source": {s: auroc(held_p, sources == s) for s in sorted(set(sources))},
         "held_out_auroc_coverage_alone": auroc(features[held][:, ANSWER_FEATURES.index("coverage")], everything),
         "hidden_units": HIDDEN_UNITS,
-        "thresholds": dict(thresholds or dict.fromkeys(VERDICTS, 0.5)),
+        "decision": QuoteDecision.constant(threshold).to_dict(),
         "minutes": round((time.perf_counter() - started) / 60.0, 1),
     }
     model.save(out)

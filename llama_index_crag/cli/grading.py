@@ -103,7 +103,7 @@ def add_parsers(commands: Any) -> None:
     answers.add_argument("--pairs-file", required=True, help="JSONL of question, passage, label (source, kind, title)")
     answers.add_argument("--out", required=True, help="the folder to write the network to")
     answers.add_argument(
-        "--threshold", type=float, default=0.5, help="the probability at which a strip is quoted, for every verdict"
+        "--threshold", type=float, default=0.5, help="the probability at which a strip is quoted, whatever its grade"
     )
     answers.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
     answers.set_defaults(run=_train_answers)
@@ -284,8 +284,7 @@ def _train_answers(args: argparse.Namespace) -> int:
 
     if not 0.0 <= args.threshold <= 1.0:
         raise ConfigError(f"--threshold is a probability, from 0 to 1, got {args.threshold}")
-    thresholds = dict.fromkeys(("correct", "ambiguous", "incorrect"), args.threshold)
-    info = train_answer_model(args.pairs_file, args.out, progress=args.progress, thresholds=thresholds)
+    info = train_answer_model(args.pairs_file, args.out, progress=args.progress, threshold=args.threshold)
     print(summary(info))
     print(f"Wrote {args.out}. Use it: CRAG_ANSWER_MODEL={args.out}")
     return 0

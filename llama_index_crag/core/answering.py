@@ -17,11 +17,12 @@ from llama_index.core.prompts.mixin import PromptDictType, PromptMixin, PromptMi
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
+from llama_index_crag.answers.answer_model import evidence_place
 from llama_index_crag.answers.extract import EvidenceQuoter, QuotedAnswer
 from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
 from llama_index_crag.answers.policy import outcome_of
 from llama_index_crag.core.driver import Io, bind, text_response
-from llama_index_crag.core.grader import Verdict, band
+from llama_index_crag.core.grader import Verdict
 from llama_index_crag.core.prompts import QUOTED_QA_TEMPLATE, QUOTED_REFINE_TEMPLATE, quote_sources
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace, step_span
@@ -103,10 +104,12 @@ class AnswerSteps:
         """The best strips of the context, quoted with their sources (recorded in the trace)."""
         question = query_bundle.query_str
         with trace.timed("extract"), step_span("quote", passages=len(context)) as span:
-            verdict = evidence_verdict(trace.action, trace.retry_score, trace.upper, trace.lower)
+            place = evidence_place(
+                evidence_grade(trace.action, trace.top_score, trace.retry_score), trace.upper, trace.lower
+            )
             quoted = yield Io(
-                bind(self._quoter.quote, question, context, verdict),
-                bind(self._quoter.aquote, question, context, verdict),
+                bind(self._quoter.quote, question, context, place),
+                bind(self._quoter.aquote, question, context, place),
             )
             span.outcome = "quoted" if quoted.quotes else "withheld" if quoted.withheld else "none"
             span.sizes.update(quotes=len(quoted.quotes), withheld=len(quoted.withheld))
@@ -186,8 +189,9 @@ class AnswerSteps:
             if outcome != "kept":
                 try:
                     bands = crag["thresholds"]
-                    verdict = evidence_verdict(crag["action"], crag.get("retry_score"), bands["upper"], bands["lower"])
-                    quoted = self._quoter.quote(query_bundle.query_str, context, verdict)
+                    grade = evidence_grade(crag["action"], crag.get("top_score"), crag.get("retry_score"))
+                    place = evidence_place(grade, bands["upper"], bands["lower"])
+                    quoted = self._quoter.quote(query_bundle.query_str, context, place)
                     crag["quotes"] = quoted.to_list()
                     crag["quote_check"] = quoted.check()
                 except Exception as exc:
@@ -219,12 +223,12 @@ class AnswerSteps:
         return self._quoting[1]
 
 
-def evidence_verdict(action: str, retry_score: Optional[float], upper: float, lower: float) -> str:
-    """The grader's verdict on the evidence an answer comes from: the query's action, or for evidence the fallback
-    found (action "incorrect"), the band of its own grade."""
+def evidence_grade(action: str, top_score: Optional[float], retry_score: Optional[float]) -> Optional[float]:
+    """The grader's grade of the evidence an answer comes from: the retrieved passages' top score, or for evidence
+    the fallback found (action "incorrect"), its own grade."""
     if action == Verdict.INCORRECT.value and retry_score is not None:
-        return band(retry_score, upper, lower).value
-    return action
+        return retry_score
+    return top_score
 
 
 def context_texts(context: Sequence[NodeWithScore]) -> List[str]:

@@ -23,7 +23,7 @@ from llama_index_crag.answers.answer_model import AnswerModel
 from llama_index_crag.answers.extract import EvidenceQuoter
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.policy import default_answer_mode
-from llama_index_crag.core.answering import AnswerSteps, QuotingPrompts
+from llama_index_crag.core.answering import AnswerSteps, QuotingPrompts, evidence_grade
 from llama_index_crag.core.builder import settings_llm
 from llama_index_crag.core.driver import Steps, adrive, check_when_streamed, drive, text_response
 from llama_index_crag.core.grader import RelevanceGrader
@@ -260,7 +260,7 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
                 elif quoted.withheld:
                     trace.abstain(
                         f"no strip of the graded passages answers the question: the answer model gives the best one "
-                        f"{quoted.grade:.3f}, under the quote threshold {quoted.threshold:.3f}"
+                        f"{quoted.grade:.3f}, under the quote threshold {quoted.threshold:.3f}{_graded_at(trace)}"
                     )
                 else:
                     trace.abstain("the graded passages hold no strip that may be quoted")
@@ -278,3 +278,9 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
             check_when_streamed(response, self._stream_check(query_bundle, context, response))
         dispatcher.event(trace.action_event())
         return response
+
+
+def _graded_at(trace: CragTrace) -> str:
+    """What the quote threshold was set by, for an abstention's reason: the grade of the evidence."""
+    grade = evidence_grade(trace.action, trace.top_score, trace.retry_score)
+    return "" if grade is None else f" for evidence graded {grade:.3f}"

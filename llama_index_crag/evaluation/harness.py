@@ -135,8 +135,9 @@ class EvalConfig:
             "calibration": content_hash(self.calibration) if self.calibration else None,
             "crag_settings": self.crag_settings(),
             "environment": crag_environment(),
-            # The packaged answer model (its weights' checksum and its thresholds) decides every quoted answer.
-            "answer_model": content_hash(PACKAGED_DIR / META_FILE),
+            # The packaged answer model decides every quoted answer: its weights, and its decision unless a quote
+            # threshold is set (so that rows quoted at CRAG_QUOTE_THRESHOLD=0 outlive a refitted decision).
+            "answer_model": answer_model_fingerprint(),
             "top_k": self.top_k,
             "rerank": [self.rerank_top_k, self.rerank_top_n],
             "scoring": SCORING,
@@ -144,6 +145,14 @@ class EvalConfig:
 
 
 Key = Tuple[str, str, str]
+
+
+def answer_model_fingerprint() -> Dict[str, Any]:
+    """The packaged answer model as it decides this run's quotes: its weights' checksum, and its decision unless
+    ``CRAG_QUOTE_THRESHOLD`` overrides it (that variable is in ``crag_environment``)."""
+    meta = json.loads((PACKAGED_DIR / META_FILE).read_text(encoding="utf-8"))
+    overridden = os.environ.get("CRAG_QUOTE_THRESHOLD", "").strip() != ""
+    return {"weights": meta.get("sha256"), "decision": None if overridden else meta.get("decision")}
 
 
 def crag_environment() -> str:
