@@ -852,3 +852,61 @@ def test_the_demo_prints_what_the_sources_say_beside_a_flagged_answer(
     # The strip the answer model withheld is shown, and said to be weak, with its probability.
     withheld = bool(quote_threshold) and "under the quote threshold 1.000" in said
     assert ("weakly" in said and "the answer model gives this strip" in said) == withheld == bool(quote_threshold)
+
+
+_FOUNDED = (
+    "Harbor Analytics sells dashboards to retailers. It was founded in 2016 by Miriam Okafor, who still runs it. "
+    "Its offices are in Portland and Toronto."
+)
+_MEETING = (
+    "The club was started in 1901 by a group of teachers. {} people attended the first meeting of the club in the "
+    "town hall. It now has a library."
+)
+_LEAGUE = (
+    "Rovers won the league in 1998 with a record points total. Athletic finished {} in the league in 1998, two "
+    "points behind. United were relegated."
+)
+
+
+@pytest.mark.parametrize(
+    ("question", "passage", "answer"),
+    [
+        ("WHO FOUNDED HARBOR ANALYTICS?", _FOUNDED, "Miriam Okafor"),
+        ("who founded harbor analytics", _FOUNDED, "Miriam Okafor"),
+        ("Who fonded Harbor Analytcs?", _FOUNDED, "Miriam Okafor"),
+        ("How many people attended the first meeting of the club?", _MEETING.format("Over fifty"), "fifty"),
+        ("How many people attended the first meeting of the club?", _MEETING.format("About 52"), "52"),
+        ("Which team finished 3rd in the league in 1998?", _LEAGUE.format("third"), "third"),
+        ("which team finished third in the league in 1998", _LEAGUE.format("3rd"), "3rd"),
+        (
+            "what did stills ' fellow band members think of the tour",
+            "Stills ' fellow band members , Crosby and Nash , thought the tour was a mistake . `` It was a long "
+            "year , '' Nash said . The album sold well .",
+            "mistake",
+        ),
+        ("Wer hat Harbor Analytics gegründet?", _FOUNDED, None),
+        ("How tall is the lighthouse?", "", None),
+        ("How tall is the lighthouse?", "The lighthouse " + "and the long wall " * 3000 + "stands.", None),
+    ],
+    ids=[
+        "capitals", "lower-case", "typos", "number-in-words", "number-in-digits", "ordinal-in-words",
+        "ordinal-in-digits", "nq-tokenisation", "german", "empty-passage", "one-long-sentence",
+    ],
+)  # fmt: skip
+def test_the_answer_step_reads_bad_input_to_a_defined_outcome(
+    question: str, passage: str, answer: Optional[str]
+) -> None:
+    nodes = [NodeWithScore(node=TextNode(text=passage, metadata={"title": "Notes"}), score=0.9)]
+    scorer = EvidenceScorer(corpus=[passage or "empty"])
+    # Every strip read, the one that answers first.
+    ranked = EvidenceQuoter(scorer, max_quotes=1, strip_min_tokens=3, answer_threshold=0).quote(question, nodes, 0.5)
+    if answer is not None:
+        assert len(ranked.quotes) == 1 and answer in ranked.quotes[0].text, ranked
+    # The default decision quotes or withholds, and says which in the trace's check; an empty passage has no strip.
+    decided = EvidenceQuoter(scorer, strip_min_tokens=3).quote(question, nodes, 0.5)
+    if not passage:
+        assert decided.quotes == [] and decided.grade is None and decided.check() is None
+        return
+    check = decided.check()
+    assert check is not None and 0.0 <= check["grade"] <= 1.0 and check["evidence_place"] == 0.5
+    assert check["passed"] is bool(decided.quotes) and (check["passed"] or len(check["withheld"]) == 1)
