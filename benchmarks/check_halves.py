@@ -57,12 +57,21 @@ def write_half(dataset: Path, half: str, out: Path) -> Path:
 
 
 def checkout(ref: str, out: Path) -> Path:
-    """A worktree of ``ref`` under ``out`` (made once, moved to ``ref`` each run)."""
+    """A worktree of ``ref`` under ``out`` (made once, moved to ``ref`` each run).
+
+    ``ref`` is read in this repository, not in the worktree: there ``HEAD~1`` would be counted from wherever the
+    worktree's last run left it."""
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{ref}^{{commit}}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     tree = out / "ref-tree"
     if not tree.exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref], check=True)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit], check=True)
     else:
-        subprocess.run(["git", "-C", str(tree), "checkout", "-q", "--detach", ref], check=True)
+        subprocess.run(["git", "-C", str(tree), "checkout", "-q", "--detach", commit], check=True)
     return tree
 
 
