@@ -62,21 +62,8 @@ def place(row: Dict[str, Any]) -> Optional[float]:
 def replay(rows: List[Dict[str, Any]], decision: QuoteDecision) -> Dict[str, float]:
     """The figures under ``decision``: a row answered at 0 abstains when its best strip falls under the threshold
     at its evidence's place."""
-
-    def abstained(row: Dict[str, Any]) -> bool:
-        return bool(row["abstained"]) or (row.get("quote_grade") or 0.0) < decision.threshold(place(row))
-
-    def share(kind: str, test: Any) -> float:
-        mine = [r for r in rows if r["kind"] == kind]
-        return sum(1 for r in mine if test(r)) / len(mine) if mine else float("nan")
-
-    scores = [0 if abstained(r) else (1 if r["correct"] else -1) for r in rows]
-    return {
-        "false_abstention": share("answerable", abstained),
-        "truthfulness": sum(scores) / len(scores),
-        "abstain_out_of_corpus": share("out_of_corpus", abstained),
-        "abstain_unanswerable": share("unanswerable", abstained),
-    }
+    columns = _columns(rows)
+    return _figures(columns, decision.thresholds(columns["place"]))
 
 
 def fit(sets: Sequence[List[Dict[str, Any]]], max_false_abstention: float) -> Optional[QuoteDecision]:
@@ -85,30 +72,44 @@ def fit(sets: Sequence[List[Dict[str, Any]]], max_false_abstention: float) -> Op
     equals). Every row is read once: the decisions are tried on arrays of its probability, place and outcome."""
     columns = [_columns(rows) for rows in sets]
     best: Optional[Tuple[float, QuoteDecision]] = None
-    places = [np.asarray([0.0 if p is None else p for p in c["place"]]) for c in columns]
     for floor in FLOORS:
         for weight in WEIGHTS:
             for bias in BIASES:
-                figures = []
-                for c, place_ in zip(columns, places):
-                    needed = np.maximum(floor, 1.0 / (1.0 + np.exp(-np.clip(bias - weight * place_, -40, 40))))
-                    abstained = c["abstained"] | (c["probability"] < needed)
-                    scores = np.where(abstained, 0.0, c["score"])
-                    figures.append((abstained[c["answerable"]].mean(), scores.mean()))
-                if all(fa <= max_false_abstention for fa, _ in figures):
-                    mean = float(np.mean([t for _, t in figures]))
+                decision = QuoteDecision(weight, bias, floor)
+                figures = [_figures(c, decision.thresholds(c["place"])) for c in columns]
+                if all(f["false_abstention"] <= max_false_abstention for f in figures):
+                    mean = float(np.mean([f["truthfulness"] for f in figures]))
                     if best is None or mean > best[0] + 1e-9:
-                        best = (mean, QuoteDecision(weight, bias, floor))
+                        best = (mean, decision)
     return None if best is None else best[1]
 
 
-def _columns(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _columns(rows: List[Dict[str, Any]]) -> Dict[str, np.ndarray]:
+    """The rows as arrays: each one's place (read as 0 when unknown, as the decision reads it), best strip's
+    probability, abstention at 0, score if answered, and kind."""
+    places = [place(r) for r in rows]
     return {
-        "place": [place(r) for r in rows],
+        "place": np.asarray([0.0 if p is None else p for p in places]),
         "probability": np.asarray([r.get("quote_grade") or 0.0 for r in rows]),
         "abstained": np.asarray([bool(r["abstained"]) for r in rows]),
         "score": np.asarray([1.0 if r["correct"] else -1.0 for r in rows]),
-        "answerable": np.asarray([r["kind"] == "answerable" for r in rows]),
+        "kind": np.asarray([r["kind"] for r in rows]),
+    }
+
+
+def _figures(columns: Dict[str, np.ndarray], needed: np.ndarray) -> Dict[str, float]:
+    """The figures when each row's best strip needs ``needed``."""
+    abstained = columns["abstained"] | (columns["probability"] < needed)
+
+    def share(kind: str) -> float:
+        mine = abstained[columns["kind"] == kind]
+        return float(mine.mean()) if mine.size else float("nan")
+
+    return {
+        "false_abstention": share("answerable"),
+        "truthfulness": float(np.where(abstained, 0.0, columns["score"]).mean()),
+        "abstain_out_of_corpus": share("out_of_corpus"),
+        "abstain_unanswerable": share("unanswerable"),
     }
 
 

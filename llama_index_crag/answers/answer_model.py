@@ -169,8 +169,12 @@ class QuoteDecision:
 
     def threshold(self, place: Optional[float]) -> float:
         """The probability the best strip needs, for evidence at ``place``."""
-        logit = self.bias - self.grade_weight * (0.0 if place is None else place)
-        return max(self.floor, 1.0 / (1.0 + math.exp(-min(max(logit, -40.0), 40.0))))
+        return float(self.thresholds(np.asarray([0.0 if place is None else place]))[0])
+
+    def thresholds(self, places: np.ndarray) -> np.ndarray:
+        """``threshold`` at each of ``places`` at once (replaying the decision on evaluation rows)."""
+        logits = np.clip(self.bias - self.grade_weight * places, -40.0, 40.0)
+        return np.maximum(self.floor, 1.0 / (1.0 + np.exp(-logits)))
 
     @classmethod
     def constant(cls, threshold: float) -> QuoteDecision:
