@@ -12,11 +12,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import MetadataMode
-from numpy.typing import ArrayLike
 from tqdm import tqdm
 
 from llama_index_crag.datasets import Question, load_documents, load_questions, normalise_text, read_jsonl
-from llama_index_crag.errors import ConfigError, DatasetError
+from llama_index_crag.errors import DatasetError
 from llama_index_crag.local.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import bi_encoder_of
@@ -155,62 +154,6 @@ def score_batches(scorer: RelevanceScorer, batches: Sequence[Batch], progress: b
         scores.append(scorer.score_nodes(QueryBundle(batch.question.question), nodes))
         seconds += time.perf_counter() - start
     return Scored(scores=scores, pairs=sum(len(b.texts) for b in batches), seconds=seconds)
-
-
-def fit_thresholds(
-    aggregate: ArrayLike,
-    kinds: Sequence[str],
-    target_precision: float = 0.9,
-    target_recall: float = 0.9,
-    max_false_reject: Optional[float] = None,
-) -> Dict[str, float]:
-    """Choose ``upper`` and ``lower`` from batch scores and their kinds.
-
-    ``upper`` is the lowest score at which the batches graded CORRECT reach
-    ``target_precision`` (share of them that truly hold the answer); ``lower`` is the
-    highest score below which at least ``target_recall`` of the out-of-corpus batches
-    fall (all batches without the answer when the set has no out-of-corpus ones).
-    With ``max_false_reject``, ``lower`` is also held low enough that at most that
-    share of the batches that hold the answer fall under it (graded INCORRECT, which
-    the engine answers from the fallback or abstains on): a cap on false abstention
-    that wins over ``target_recall`` where the two disagree.
-    ``lower`` never exceeds ``upper``. Returns both and what they achieve on these rows.
-    """
-    scores = np.asarray(aggregate, dtype=np.float64)
-    kind = np.asarray(kinds)
-    truth = kind == IN_CORPUS
-    if truth.all() or not truth.any():
-        raise DatasetError("calibration needs batches both with and without the answer")
-    upper = float(scores.max()) + 1e-9
-    for threshold in np.unique(scores):
-        if truth[scores >= threshold].mean() >= target_precision:
-            upper = float(threshold)
-            break
-    caught = kind == OUT_OF_CORPUS if (kind == OUT_OF_CORPUS).any() else ~truth
-    negatives = np.sort(scores[caught])
-    index = max(0, min(len(negatives) - 1, int(np.ceil(target_recall * len(negatives))) - 1))
-    lower = min(float(negatives[index]) + 1e-6, upper)
-    if max_false_reject is not None:
-        lower = min(lower, _capped_lower(scores[truth], max_false_reject))
-    # Rounded down, so that no score the cap counted as answered falls under the written threshold.
-    lower = float(np.floor(min(lower, 1.0) * 1e6) / 1e6)
-    graded_correct = scores >= upper
-    return {
-        "upper": round(min(upper, 1.0), 6),
-        "lower": lower,
-        "precision_correct": float(truth[graded_correct].mean()) if graded_correct.any() else 0.0,
-        "recall_incorrect": float((scores[caught] < lower).mean()),
-        "false_reject": float((scores[truth] < lower).mean()),
-    }
-
-
-def _capped_lower(positives: np.ndarray, cap: float) -> float:
-    """The highest threshold under which at most ``cap`` of ``positives`` fall."""
-    if not 0.0 <= cap < 1.0:
-        raise ConfigError(f"max_false_reject must be at least 0 and below 1, got {cap}")
-    ranked = np.sort(positives)
-    allowed = int(np.floor(cap * len(ranked) + 1e-9))  # how many may fall under the threshold
-    return float(ranked[min(allowed, len(ranked) - 1)])  # rows strictly below ranked[allowed] number at most `allowed`
 
 
 def write_calibration(

@@ -15,21 +15,19 @@ from llama_index_crag.calibration.fit import (
     Batch,
     StripSet,
     fit_strip_threshold,
-    fit_thresholds,
     labelled_batches,
     labelled_strips,
     score_batches,
     score_strips,
     strip_counts,
-    write_calibration,
 )
 from llama_index_crag.calibration.labelled import group_folds
-from llama_index_crag.calibration.report_figures import KINDS, Outcome, against_default, auroc, figures, plot, table
-from llama_index_crag.datasets import SPLITS
+from llama_index_crag.calibration.report_figures import Outcome, against_default, auroc, figures, plot, table
+from llama_index_crag.calibration.thresholds import fit_thresholds
 from llama_index_crag.errors import ConfigError, DatasetError
 from llama_index_crag.scorers.base import RelevanceScorer, sigmoid
 from llama_index_crag.scorers.evidence import EvidenceScorer
-from llama_index_crag.scorers.registry import from_spec, report_scorers
+from llama_index_crag.scorers.registry import report_scorers
 from llama_index_crag.settings_sources import read_calibration
 
 
@@ -310,67 +308,3 @@ def best_sentence_figures(batches: Sequence[Batch], corpus: Sequence[str], progr
     )
     kinds = np.asarray([b.kind for b in batches])
     return {other: auroc(scores[kinds == IN_CORPUS], scores[kinds == other]) for other in (OUT_OF_CORPUS, UNANSWERABLE)}
-
-
-def run_calibration(
-    dataset: Path,
-    scorer_name: str,
-    out: Path,
-    k: int,
-    limit: Optional[int],
-    split: Optional[str],
-    targets: Mapping[str, float],
-    progress: bool = True,
-    min_tokens: int = 8,
-    synthetic: Optional[int] = None,
-) -> Dict[str, Any]:
-    """Fit thresholds (and the evidence scorer's weights) on ``dataset`` and write the calibration file.
-
-    When the set labels evidence sentences or short answers, the knowledge-strip
-    threshold is fitted too, on the strips of the same questions' gold passages.
-    With ``synthetic``, that many questions are made from the corpus alone (see
-    ``synthetic.py``) and the dataset's own questions are not read. ``split`` ``design`` or ``check`` fits on one
-    half of the set (``datasets.Halves``: fit on ``design``, report ``check``); another name keeps the questions
-    whose own ``split`` field has it; None or ``all``, every question.
-    """
-    if synthetic is not None:
-        from llama_index_crag.calibration.synthetic import synthetic_batches
-
-        labelled = synthetic_batches(dataset, count=synthetic, k=k, progress=progress)
-    else:
-        half = split if split in SPLITS else "all"
-        labelled = labelled_batches(dataset, k=k, limit=limit, progress=progress, split=half)
-    batches = labelled.batches
-    if split is not None and split not in SPLITS:
-        batches = [b for b in batches if b.question.split == split]
-        if not batches:
-            raise ConfigError(f"no question of {dataset} has split {split!r}")
-    scorer = from_spec(scorer_name, corpus=labelled.corpus)
-    labelled.prime(scorer)
-    state = None
-    if isinstance(scorer, EvidenceScorer):
-        rows = np.concatenate([scorer.features(b.question.question, b.texts) for b in batches])
-        labels = np.concatenate([np.asarray(b.gold) & b.has_answer for b in batches])
-        state = scorer.fit(rows, labels).state()
-    scored = score_batches(scorer, batches, progress=progress)
-    thresholds = fit_thresholds(scored.aggregate(), [b.kind for b in batches], **targets)
-    counts = {kind: sum(1 for b in batches if b.kind == kind) for kind in KINDS}
-    strips = labelled_strips(dataset, batches, min_tokens)
-    strip_fit = None
-    if len(strips):
-        strip_scores = score_strips(scorer, strips, progress)
-        try:
-            strip_fit = fit_strip_threshold(strip_scores, strips.labels, at_most=thresholds["lower"])
-        except ValueError:
-            pass  # every strip is evidence: nothing to separate, the scorer's default strip threshold applies
-    return write_calibration(
-        out,
-        scorer,
-        thresholds,
-        targets,
-        counts,
-        dataset=str(dataset) + (f" (corpus only: {synthetic} synthetic questions)" if synthetic is not None else ""),
-        fitted_qids=sorted({b.question.qid for b in batches}),
-        scorer_state=state,
-        strips=strip_fit,
-    )

@@ -18,7 +18,7 @@ from llama_index_crag.scorers.reader_model import POOLINGS
 def add_parsers(commands: Any) -> None:
     """Add the grading commands to ``llama-crag``'s subparsers."""
     calibrate = commands.add_parser("calibrate", help="fit the thresholds (and learned weights) on a labelled set")
-    _add_dataset_options(calibrate)
+    _add_dataset_options(calibrate, several=True)
     calibrate.add_argument("--scorer", default="evidence", help="evidence, bi-encoder, llm-judge, cross-encoder:MODEL")
     calibrate.add_argument(
         "--synthetic",
@@ -156,8 +156,17 @@ def add_parsers(commands: Any) -> None:
     snippets.set_defaults(run=_snippets)
 
 
-def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", required=True, help="folder with corpus.jsonl and questions.jsonl")
+def _add_dataset_options(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    if several:
+        parser.add_argument(
+            "--dataset",
+            required=True,
+            action="append",
+            help="folder with corpus.jsonl and questions.jsonl; give it again to fit one calibration on several "
+            "sets, each counting the same",
+        )
+    else:
+        parser.add_argument("--dataset", required=True, help="folder with corpus.jsonl and questions.jsonl")
     parser.add_argument("--k", type=positive_int, default=5, help="candidates retrieved per question")
     parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N questions")
     parser.add_argument(
@@ -196,12 +205,12 @@ def _targets(args: argparse.Namespace) -> dict:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from llama_index_crag.calibration.report import run_calibration
+    from llama_index_crag.calibration.calibrate import run_calibration
 
     if Path(args.out).is_dir():  # found before the fit, not when its result is written
         raise ConfigError(f"--out {args.out} is a folder: name the calibration file to write")
     data = run_calibration(
-        Path(args.dataset),
+        [Path(d) for d in args.dataset],
         args.scorer,
         Path(args.out),
         args.k,

@@ -120,12 +120,23 @@ def finite_numbers(values: Any, what: str) -> np.ndarray:
     return array
 
 
-def fit_logistic(features: np.ndarray, labels: ArrayLike) -> np.ndarray:
-    """Class-balanced logistic regression: one weight per feature column, then the bias."""
+def _mean_one(weight: Optional[ArrayLike]) -> Optional[np.ndarray]:
+    """Row weights scaled to a mean of 1, so that the regularisation weighs as it does unweighted."""
+    if weight is None:
+        return None
+    w = np.asarray(weight, dtype=np.float64)
+    return w * (len(w) / w.sum())
+
+
+def fit_logistic(features: np.ndarray, labels: ArrayLike, sample_weight: Optional[ArrayLike] = None) -> np.ndarray:
+    """Class-balanced logistic regression: one weight per feature column, then the bias (``sample_weight``: one
+    weight a row, multiplied into the class balance)."""
     from sklearn.linear_model import LogisticRegression
 
     y = np.asarray(labels, dtype=bool)
     if y.all() or not y.any():
         raise DatasetError("fitting a scorer's weights needs both relevant and irrelevant pairs")
-    model = LogisticRegression(C=1.0, max_iter=2000, class_weight="balanced").fit(features, y)
+    model = LogisticRegression(C=1.0, max_iter=2000, class_weight="balanced").fit(
+        features, y, sample_weight=_mean_one(sample_weight)
+    )
     return np.concatenate([model.coef_[0], model.intercept_])

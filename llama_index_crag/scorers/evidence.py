@@ -282,12 +282,14 @@ class EvidenceScorer(RelevanceScorer):
             )
         return explanations
 
-    def fit(self, features: np.ndarray, labels: ArrayLike) -> EvidenceScorer:
-        """Learn the weights from labelled (query, passage) features (relevant = True), and the typical rival."""
+    def fit(self, features: np.ndarray, labels: ArrayLike, weights: Optional[ArrayLike] = None) -> EvidenceScorer:
+        """Learn the weights from labelled (query, passage) features (relevant = True), and the typical rival
+        (``weights``: one a row, as when several sets are fitted together and each must count the same)."""
         y = np.asarray(labels, dtype=bool)
-        self.weights = fit_logistic(features, y)
+        self.weights = fit_logistic(features, y, weights)
         if (~y).any():
-            self.rival_means = features[~y][:, _LIFTED].mean(axis=0)
+            w = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=np.float64)
+            self.rival_means = np.average(features[~y][:, _LIFTED], axis=0, weights=w[~y])
         return self
 
     def state(self) -> Dict[str, Any]:

@@ -206,7 +206,7 @@ class ReaderScorer(EvidenceScorer):
         rows = np.hstack([evidence, self.read(query, texts).reshape(-1, 1)])
         return [sigmoid(float(v)) for v in rows @ self.weights[:-1] + self.weights[-1]]
 
-    def fit(self, features: np.ndarray, labels: ArrayLike) -> ReaderScorer:
+    def fit(self, features: np.ndarray, labels: ArrayLike, weights: Optional[ArrayLike] = None) -> ReaderScorer:
         """Fit the stacked model, the evidence-only model of the cascade, and where the cascade may settle.
 
         The cascade settles low below the evidence score under which at most 1% of the
@@ -214,8 +214,8 @@ class ReaderScorer(EvidenceScorer):
         pairs do not answer (never, when on-topic noise scores that high).
         """
         y = np.asarray(labels, dtype=bool)
-        super().fit(features, y)
-        self.evidence_weights = fit_logistic(features[:, : len(FEATURES)], y)
+        super().fit(features, y, weights)
+        self.evidence_weights = fit_logistic(features[:, : len(FEATURES)], y, weights)
         first = 1.0 / (
             1.0 + np.exp(-(features[:, : len(FEATURES)] @ self.evidence_weights[:-1] + self.evidence_weights[-1]))
         )
