@@ -134,13 +134,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="the cap on every set (default 0.05), or on one set; give it more than once",
     )
     parser.add_argument(
-        "--limit", action="append", default=[], metavar="SET=N", help="only the first N questions of SET's half"
+        "--limit",
+        action="append",
+        default=[],
+        metavar="N or SET=N",
+        help="only the first N questions of every set's half, or of one set's",
     )
     parser.add_argument("--write", action="store_true", help="store the chosen decision in the packaged model")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     names = args.sets.split(",")
-    limits = {name: int(n) for name, n in _per_set(args.limit, int, "--limit").items() if name}
+    limit_of = _per_set(args.limit, int, "--limit")
+    limits = {name: limit_of.get(name, limit_of.get("")) for name in names if limit_of.get(name, limit_of.get(""))}
     cap_of = _per_set(args.max_false_abstention, float, "--max-false-abstention")
     caps = {name: cap_of.get(name, cap_of.get("", 0.05)) for name in names}
     rows = {name: design_rows(Path(args.datasets) / name, out, limits.get(name)) for name in names}
