@@ -145,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = Path(args.out).resolve()
     names = args.sets.split(",")
     limit_of = _per_set(args.limit, int, "--limit")
-    limits = {name: limit_of.get(name, limit_of.get("")) for name in names if limit_of.get(name, limit_of.get(""))}
+    limits = {name: n for name in names if (n := limit_of.get(name, limit_of.get(""))) is not None}
     cap_of = _per_set(args.max_false_abstention, float, "--max-false-abstention")
     caps = {name: cap_of.get(name, cap_of.get("", 0.05)) for name in names}
     rows = {name: design_rows(Path(args.datasets) / name, out, limits.get(name)) for name in names}
