@@ -43,6 +43,10 @@ ANSWER_FEATURES = (
     "is_question",
     "is_claim",
 )
+#: What the ranker reads besides ``ANSWER_FEATURES``: how far each strip leads the best of the other strips on the
+#: question's words (``leads``). Which sentence of a right passage answers is told by what it holds that its
+#: neighbours do not; whether any sentence answers is not, so only the ranking reads these.
+RANK_FEATURES = ("coverage_lead", "sentence_coverage_lead", "rare_coverage_lead", "bigram_coverage_lead")
 #: How far below the lower threshold and above the upper one a grade still moves the quote threshold, in bands.
 PLACE_RANGE = (-1.0, 2.0)
 #: Where the packaged network lives, with its checksum and NOTICE.
@@ -140,6 +144,18 @@ def answer_features(question: str, candidates: Sequence[Candidate], scorer: Evid
     return np.hstack([words, np.asarray(rows, dtype=np.float64)])
 
 
+def leads(features: np.ndarray) -> np.ndarray:
+    """``RANK_FEATURES`` of each row of ``features`` (``ANSWER_FEATURES`` of one question's candidates): its
+    coverage figures less the highest of the other rows' (0 for a lone row, and for rows that tie at the top)."""
+    words = np.asarray(features, dtype=np.float64)[:, : len(RANK_FEATURES)]
+    if len(words) < 2:
+        return np.zeros_like(words)
+    ordered = np.sort(words, axis=0)
+    top, second = ordered[-1], ordered[-2]
+    others = np.where(words == top, second, top)
+    return words - others
+
+
 def evidence_place(grade: Optional[float], upper: float, lower: float) -> Optional[float]:
     """Where the grader's grade of the evidence sits between its two thresholds: 0 at ``lower``, 1 at ``upper``
     (clipped to ``PLACE_RANGE``), so that a decision fitted on one scorer's grades reads another's; None without a
@@ -189,24 +205,33 @@ class QuoteDecision:
         return {"grade_weight": self.grade_weight, "bias": self.bias, "floor": self.floor}
 
 
+_LAYERS = ("mean", "scale", "w1", "b1", "w2", "b2")
+#: The ranker's arrays are stored beside the network's, under this prefix.
+RANKER = "rank_"
+
+
 class AnswerModel:
-    """A one-hidden-layer network from ``ANSWER_FEATURES`` to the probability that a strip answers the question.
+    """A one-hidden-layer network from ``ANSWER_FEATURES`` to the probability that a strip answers the question,
+    and optionally a second one, the ranker, that also reads how each strip leads the others (``RANK_FEATURES``).
+
+    The probability decides whether anything is quoted (``decision``); the ranker only orders the strips that
+    pass: read against its neighbours, a sentence that holds what they do not is told apart from them better than
+    read alone, but the best of a batch of wrong sentences leads its neighbours too, so the lead says nothing of
+    whether the batch answers at all (``llama-crag train-answers`` reports both).
 
     Args:
         parameters: ``mean`` and ``scale`` (feature standardisation), ``w1``, ``b1`` (hidden layer, ReLU),
-            ``w2``, ``b2`` (output logit).
+            ``w2``, ``b2`` (output logit); the ranker's the same, prefixed ``rank_``.
         info: What it was trained on and how it measured (held-out AUROC by source).
     """
 
     def __init__(self, parameters: Mapping[str, np.ndarray], info: Optional[Dict[str, Any]] = None) -> None:
-        self.parameters = {
-            k: np.asarray(parameters[k], dtype=np.float64) for k in ("mean", "scale", "w1", "b1", "w2", "b2")
-        }
-        if self.parameters["w1"].shape[0] != len(ANSWER_FEATURES):
-            raise ConfigError(
-                f"the answer model reads {self.parameters['w1'].shape[0]} features, not the {len(ANSWER_FEATURES)} "
-                "this version computes: train it again (llama-crag train-answers)"
-            )
+        self.parameters = {k: np.asarray(parameters[k], dtype=np.float64) for k in _LAYERS}
+        _check_width(self.parameters, len(ANSWER_FEATURES))
+        self.ranker: Optional[Dict[str, np.ndarray]] = None
+        if all(RANKER + k in parameters for k in _LAYERS):
+            self.ranker = {k: np.asarray(parameters[RANKER + k], dtype=np.float64) for k in _LAYERS}
+            _check_width(self.ranker, len(ANSWER_FEATURES) + len(RANK_FEATURES))
         self.info = dict(info or {})
 
     @property
@@ -224,18 +249,34 @@ class AnswerModel:
 
     def probabilities(self, features: np.ndarray) -> np.ndarray:
         """The probability that each row's strip answers its question."""
-        p = self.parameters
-        hidden = np.maximum(0.0, ((features - p["mean"]) / p["scale"]) @ p["w1"] + p["b1"])
-        logits = (hidden @ p["w2"]).reshape(-1) + p["b2"].reshape(-1)[0]
-        return 1.0 / (1.0 + np.exp(-np.clip(logits, -40.0, 40.0)))
+        return _forward(self.parameters, features)
+
+    def ranks(self, features: np.ndarray, probabilities: Optional[np.ndarray] = None) -> np.ndarray:
+        """The order in which one question's candidates (the rows of ``features``) are quoted, as a score (higher
+        first): the mean of each strip's probability and the ranker's reading of it against the others; the
+        probability alone for a model without a ranker."""
+        alone = self.probabilities(features) if probabilities is None else np.asarray(probabilities)
+        if self.ranker is None or len(features) == 0:
+            return alone
+        return (alone + self.read_against(features)) / 2.0
+
+    def read_against(self, features: np.ndarray, lead: Optional[np.ndarray] = None) -> np.ndarray:
+        """The ranker's probability that each row's strip answers, read with how it leads the others (``lead``:
+        ``RANK_FEATURES``, by default ``leads(features)``, every row one question's candidate)."""
+        if self.ranker is None:
+            raise ConfigError("this answer model has no ranker: train it again (llama-crag train-answers)")
+        return _forward(self.ranker, np.hstack([features, leads(features) if lead is None else lead]))
 
     def save(self, folder: Path | str) -> None:
         """Write the network and its metadata (with the weights' checksum) to ``folder``."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         arrays: Dict[str, Any] = {k: v.astype(np.float32) for k, v in self.parameters.items()}
+        arrays.update({RANKER + k: v.astype(np.float32) for k, v in (self.ranker or {}).items()})
         np.savez(folder / WEIGHTS_FILE, **arrays)
         meta = {**self.info, "features": list(ANSWER_FEATURES), "sha256": _sha256(folder / WEIGHTS_FILE)}
+        if self.ranker is not None:
+            meta["rank_features"] = list(RANK_FEATURES)
         (folder / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
     @classmethod
@@ -252,13 +293,30 @@ class AnswerModel:
         if meta.get("features") != list(ANSWER_FEATURES):
             raise ConfigError(f"the answer model in {folder} reads other features: train it again")
         with np.load(weights) as data:
-            return cls({k: data[k] for k in data.files}, meta)
+            arrays = {k: data[k] for k in data.files}
+        if any(k.startswith(RANKER) for k in arrays) and meta.get("rank_features") != list(RANK_FEATURES):
+            raise ConfigError(f"the answer model's ranker in {folder} reads other features: train it again")
+        return cls(arrays, meta)
 
 
 @lru_cache(maxsize=1)
 def packaged_answer_model() -> AnswerModel:
     """The network that ships in the package (trained on human-labelled sentence pairs; see its NOTICE)."""
     return AnswerModel.load(PACKAGED_DIR)
+
+
+def _forward(p: Mapping[str, np.ndarray], features: np.ndarray) -> np.ndarray:
+    hidden = np.maximum(0.0, ((features - p["mean"]) / p["scale"]) @ p["w1"] + p["b1"])
+    logits = (hidden @ p["w2"]).reshape(-1) + p["b2"].reshape(-1)[0]
+    return 1.0 / (1.0 + np.exp(-np.clip(logits, -40.0, 40.0)))
+
+
+def _check_width(p: Mapping[str, np.ndarray], width: int) -> None:
+    if p["w1"].shape[0] != width:
+        raise ConfigError(
+            f"the answer model reads {p['w1'].shape[0]} features, not the {width} this version computes: "
+            "train it again (llama-crag train-answers)"
+        )
 
 
 def _sha256(path: Path) -> str:

@@ -94,10 +94,11 @@ class EvidenceQuoter:
 
     Every context passage is split into knowledge strips (the refiner's ``decompose``;
     a refined passage gives the strips the refiner kept), and the answer model gives each
-    the probability that it answers the question (``answers.answer_model``). The best
-    ``max_quotes`` strips at or above the quote threshold are quoted, a passage's
-    sentences in their own order; when none reaches it, nothing is quoted, the best strip
-    is kept in the trace as withheld, and the engine abstains. The threshold follows the
+    the probability that it answers the question (``answers.answer_model``). The first
+    ``max_quotes`` strips at or above the quote threshold, in the model's ranking (which
+    also reads how each strip leads the others), are quoted, a passage's sentences in
+    their own order; when none reaches it, nothing is quoted, the most probable strip is
+    kept in the trace as withheld, and the engine abstains. The threshold follows the
     grader's grade of the evidence (the model's ``QuoteDecision``: a strip of passages
     graded near the lower threshold must show more than one of passages graded above the
     upper), or is ``answer_threshold`` whatever the grade.
@@ -166,21 +167,23 @@ class EvidenceQuoter:
             return QuotedAnswer([], threshold=threshold, evidence=evidence)
         features = answer_features(question, [f[0] for f in found], self.evidence)
         probabilities = self.model.probabilities(features)
-        ranked = sorted(range(len(found)), key=lambda i: -probabilities[i])
+        order = self.model.ranks(features, probabilities)
+        ranked = sorted(range(len(found)), key=lambda i: -order[i])
         ranked = [i for i in ranked if not any(rule(question, found[i][0].text) for rule in self.rules)]
         if not ranked:
             return QuotedAnswer([], threshold=threshold, evidence=evidence)
         seen: set[str] = set()
         chosen: List[int] = []
-        for i in ranked:
-            if len(chosen) == self.max_quotes or probabilities[i] < threshold:
+        for i in ranked:  # the ranker orders the strips; each quoted one must pass the threshold itself
+            if len(chosen) == self.max_quotes:
                 break
-            if found[i][0].text not in seen:
+            if probabilities[i] >= threshold and found[i][0].text not in seen:
                 seen.add(found[i][0].text)
                 chosen.append(i)
-        best = round(float(probabilities[ranked[0]]), 4)
+        strongest = max(ranked, key=lambda i: probabilities[i])
+        best = round(float(probabilities[strongest]), 4)
         if not chosen:
-            withheld = [_quote(found[ranked[0]], probabilities[ranked[0]])]
+            withheld = [_quote(found[strongest], probabilities[strongest])]
             return QuotedAnswer([], grade=best, withheld=withheld, threshold=threshold, evidence=evidence)
         chosen.sort(key=lambda i: found[i][2:])
         quotes = [_quote(found[i], probabilities[i]) for i in chosen]

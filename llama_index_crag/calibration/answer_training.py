@@ -19,11 +19,14 @@ from tqdm import tqdm
 
 from llama_index_crag.answers.answer_model import (
     ANSWER_FEATURES,
+    RANK_FEATURES,
+    RANKER,
     AnswerModel,
     Candidate,
     QuoteDecision,
     answer_features,
     asked_names,
+    leads,
 )
 from llama_index_crag.calibration.labelled import is_held_out, read_rows
 from llama_index_crag.errors import DatasetError
@@ -43,6 +46,8 @@ SENTENCE_KINDS = frozenset(
     }
 )
 HIDDEN_UNITS = 8
+#: The kinds of pair ``swapped`` makes.
+MADE_KINDS = frozenset({"figure_swapped", "name_swapped"})
 #: A figure or code in a question (a word with a digit: "2023", "Q2", "EU-2"), and one digit of it.
 _DIGITS = re.compile(r"[\w-]*\d[\w-]*")
 _DIGIT = re.compile(r"\d")
@@ -115,6 +120,28 @@ def balanced(indices: np.ndarray, sources: Sequence[str], seed: int = 0) -> np.n
     return np.concatenate([rng.choice(v, size=size, replace=len(v) < size) for _, v in sorted(by_source.items())])
 
 
+def question_leads(rows: Sequence[Dict[str, Any]], features: np.ndarray) -> np.ndarray:
+    """The ranker's ``RANK_FEATURES`` of each pair: how it leads the other labelled sentences of the same question
+    and source (SQuAD's sentence with the answer against the rest of its paragraph, HotpotQA's facts against the
+    distractors). A pair made by swapping, or alone with its question, leads nothing (0)."""
+    groups: Dict[Any, List[int]] = {}
+    for i, row in enumerate(rows):
+        if row.get("kind") not in MADE_KINDS:
+            groups.setdefault((row.get("source"), str(row["question"])), []).append(i)
+    found = np.zeros((len(rows), len(RANK_FEATURES)))
+    for members in groups.values():
+        found[members] = leads(features[members])
+    return found
+
+
+def _top_first(groups: Dict[Any, List[int]], scores: np.ndarray, labels: np.ndarray) -> Optional[float]:
+    """The share of ``groups`` (with an answering pair and another) whose best-scored pair answers."""
+    mixed = [m for m in groups.values() if len(set(labels[m])) == 2]
+    if not mixed:
+        return None
+    return round(float(np.mean([labels[m[int(np.argmax(scores[m]))]] for m in mixed])), 4)
+
+
 def _graded(row: Dict[str, Any]) -> str:
     title = str(row.get("title") or "").strip()
     return f"{title}. {row['passage']}" if title else str(row["passage"])
@@ -146,28 +173,32 @@ def train_answer_model(
     if held.all() or not held.any():
         raise DatasetError(f"{pairs_file} gives no held-out or no training pairs")
     train = balanced(np.flatnonzero(~held), [str(r.get("source") or "pairs") for r in rows], seed)
-    train_x, train_y = features[train], labels[train]
-    mean, scale = train_x.mean(axis=0), train_x.std(axis=0)
-    scale[scale < 1e-6] = 1.0
-    network = MLPClassifier(
-        hidden_layer_sizes=(HIDDEN_UNITS,),
-        alpha=1e-2,
-        max_iter=max_iter,
-        early_stopping=True,
-        random_state=seed,
-    ).fit((train_x - mean) / scale, train_y)
-    model = AnswerModel(
-        {
-            "mean": mean,
-            "scale": scale,
-            "w1": network.coefs_[0],
-            "b1": network.intercepts_[0],
-            "w2": network.coefs_[1],
-            "b2": network.intercepts_[1],
-        }
-    )
+
+    def network(x: np.ndarray) -> Dict[str, np.ndarray]:
+        mean, scale = x[train].mean(axis=0), x[train].std(axis=0)
+        scale[scale < 1e-6] = 1.0
+        fitted = MLPClassifier(
+            hidden_layer_sizes=(HIDDEN_UNITS,),
+            alpha=1e-2,
+            max_iter=max_iter,
+            early_stopping=True,
+            random_state=seed,
+        ).fit((x[train] - mean) / scale, labels[train])
+        layers = (fitted.coefs_[0], fitted.intercepts_[0], fitted.coefs_[1], fitted.intercepts_[1])
+        return {"mean": mean, "scale": scale, **dict(zip(("w1", "b1", "w2", "b2"), layers))}
+
+    lead = question_leads(rows, features)
+    ranker = network(np.hstack([features, lead]))
+    model = AnswerModel({**network(features), **{RANKER + k: v for k, v in ranker.items()}})
     held_p = model.probabilities(features[held])
-    sources = np.asarray([str(r.get("source") or "pairs") for r in rows])[held]
+    all_sources = np.asarray([str(r.get("source") or "pairs") for r in rows])
+    sources = all_sources[held]
+    everything_p = model.probabilities(features)
+    ranked = (everything_p + model.read_against(features, lead)) / 2.0
+    held_groups: Dict[str, Dict[Any, List[int]]] = {}
+    for i in np.flatnonzero(held):
+        if rows[i].get("kind") not in MADE_KINDS:
+            held_groups.setdefault(all_sources[i], {}).setdefault(str(rows[i]["question"]), []).append(int(i))
 
     def auroc(scores: np.ndarray, mask: np.ndarray) -> Optional[float]:
         wanted = labels[held][mask]
@@ -180,6 +211,11 @@ def train_answer_model(
         "held_out_auroc": auroc(held_p, everything),
         "held_out_auroc_by_source": {s: auroc(held_p, sources == s) for s in sorted(set(sources))},
         "held_out_auroc_coverage_alone": auroc(features[held][:, ANSWER_FEATURES.index("coverage")], everything),
+        # Of the held-out questions with an answering sentence and another: how often the first one quoted answers.
+        "held_out_first_answers": {
+            source: {"probability": _top_first(g, everything_p, labels), "ranker": _top_first(g, ranked, labels)}
+            for source, g in sorted(held_groups.items())
+        },
         "hidden_units": HIDDEN_UNITS,
         "decision": QuoteDecision.constant(threshold).to_dict(),
         "minutes": round((time.perf_counter() - started) / 60.0, 1),
@@ -195,8 +231,14 @@ def summary(info: Dict[str, Any]) -> str:
         return "n/a (one label held out)" if value is None else f"{value:.3f}"
 
     by_source = ", ".join(f"{k} {shown(v)}" for k, v in info["held_out_auroc_by_source"].items())
+    first = "; ".join(
+        f"{k} {shown(v['probability'])} -> {shown(v['ranker'])}"
+        for k, v in info.get("held_out_first_answers", {}).items()
+        if v["probability"] is not None
+    )
     return (
         f"Answer model trained on {info['pairs']['train']} pairs in {info['minutes']} min: held-out AUROC "
         f"{shown(info['held_out_auroc'])} (the question's words alone "
         f"{shown(info['held_out_auroc_coverage_alone'])}; {by_source})."
+        + (f" First strip quoted answers, by probability -> by the ranker: {first}." if first else "")
     )
