@@ -16,6 +16,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag import FallbackRetriever
 from llama_index_crag.cli import main
+from llama_index_crag.core.settings import MAX_TIMEOUT_S
 from llama_index_crag.datasets import Halves, Question, half_of, load_documents, load_questions
 from llama_index_crag.errors import DatasetError
 from llama_index_crag.evaluation.corpus import EvalCorpus
@@ -445,6 +446,29 @@ class InventingLLM(JudgingLLM):
 def crag_only(dataset: Path, out: Path, **answer_step: Any) -> EvalConfig:
     """An evaluation of CRAG alone over the tiny dataset, with the answer step given."""
     return EvalConfig(dataset=dataset, out=out, systems=["crag"], cache_dir=out.parent, progress=False, **answer_step)
+
+
+def test_eval_lifts_the_correction_time_limits_unless_told_or_set(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CRAG_CORRECTION_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("CRAG_REWRITE_TIMEOUT_S", raising=False)
+    lifted = run_evaluation(crag_only(dataset, tmp_path / "lifted"), JudgingLLM(), count_tokens=words)
+    assert lifted["meta"]["time_limits"] == {"correction_timeout_s": MAX_TIMEOUT_S, "rewrite_timeout_s": MAX_TIMEOUT_S}
+    assert "time limits on the correction path lifted" in (tmp_path / "lifted" / "report.md").read_text()
+    assert "--time-limits" not in lifted["meta"]["command"]
+    kept = run_evaluation(crag_only(dataset, tmp_path / "kept", time_limits=True), JudgingLLM(), count_tokens=words)
+    assert kept["meta"]["time_limits"] == {"correction_timeout_s": 30.0, "rewrite_timeout_s": None}
+    assert "--time-limits" in kept["meta"]["command"]
+    assert "correction 30.0 s, each rewrite 15.0 s" in (tmp_path / "kept" / "report.md").read_text()
+    # A limit the user set is kept; rows run under other limits are not reused.
+    monkeypatch.setenv("CRAG_REWRITE_TIMEOUT_S", "2")
+    config = crag_only(dataset, tmp_path / "lifted")
+    assert config.lifted_limits() == {"correction_timeout_s": MAX_TIMEOUT_S}
+    again = JudgingLLM()
+    chosen = run_evaluation(config, again, count_tokens=words)
+    assert chosen["meta"]["time_limits"] == {"correction_timeout_s": MAX_TIMEOUT_S, "rewrite_timeout_s": 2.0}
+    assert again.calls["answer"] > 0
 
 
 @pytest.mark.parametrize(("policy", "outcome"), [("flag", "flagged"), ("extract", "extract"), ("abstain", "abstain")])

@@ -68,6 +68,13 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-check", action="store_true", help="leave CRAG's generated answers unchecked (the behaviour before)"
     )
+    parser.add_argument(
+        "--time-limits",
+        action="store_true",
+        help="keep CRAG's time limits on the correction path (default: lifted, unless CRAG_CORRECTION_TIMEOUT_S or "
+        "CRAG_REWRITE_TIMEOUT_S sets one, so that a busy machine, where a rewrite runs past its limit and the "
+        "question's keywords are searched instead, does not change the figures)",
+    )
     parser.add_argument("--top-k", type=positive_int, default=5, help="chunks retrieved (plain, CRAG, LLM-judge)")
     parser.add_argument("--rerank-top-k", type=positive_int, default=10, help="chunks retrieved before reranking")
     parser.add_argument("--rerank-top-n", type=positive_int, default=3, help="chunks kept after reranking")
@@ -97,6 +104,7 @@ def _eval(args: argparse.Namespace) -> int:
         answer_mode=args.answer_mode,
         on_ungrounded=args.on_ungrounded,
         check_answers=not args.no_check,
+        time_limits=args.time_limits,
         top_k=args.top_k,
         rerank_top_k=args.rerank_top_k,
         rerank_top_n=args.rerank_top_n,

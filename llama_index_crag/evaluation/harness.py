@@ -21,6 +21,7 @@ from tqdm import tqdm
 from llama_index_crag.answers.answer_model import META_FILE, PACKAGED_DIR
 from llama_index_crag.answers.policy import ANSWER_MODES, ON_UNGROUNDED, default_answer_mode
 from llama_index_crag.core.engine import CorrectiveQueryEngine
+from llama_index_crag.core.settings import MAX_TIMEOUT_S
 from llama_index_crag.datasets import content_hash
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.evaluation.corpus import EvalCorpus
@@ -42,6 +43,8 @@ from llama_index_crag.scorers.reader_model import WEIGHTS_FILE
 from llama_index_crag.scorers.registry import check_spec, from_spec, spec_defaults
 
 ROWS_FILE = "rows.jsonl"
+#: The correction path's time limits an evaluation lifts by default (``EvalConfig.time_limits``).
+LIFTED_LIMITS = ("correction_timeout_s", "rewrite_timeout_s")
 RUN_FILE = "run.json"
 
 
@@ -64,6 +67,10 @@ class EvalConfig:
     on_ungrounded: Optional[str] = None
     #: False: CRAG's generated answers go unchecked (the behaviour before the check existed).
     check_answers: bool = True
+    #: True: CRAG keeps the engine's time limits on the correction path. False (the default): they are lifted
+    #: (``LIFTED_LIMITS``, unless a ``CRAG_*`` variable sets one), so that how busy the machine is does not decide
+    #: which path a question takes: a rewrite past its limit searches with the question's keywords instead.
+    time_limits: bool = False
     top_k: int = 5
     rerank_top_k: int = 10
     rerank_top_n: int = 3
@@ -96,6 +103,13 @@ class EvalConfig:
             chosen["check_answers"] = False
         return {k: v for k, v in chosen.items() if v is not None}
 
+    def lifted_limits(self) -> Dict[str, float]:
+        """The correction path's time limits CRAG is built with in place of the engine's (none with
+        ``time_limits``, or where a ``CRAG_*`` variable sets one)."""
+        if self.time_limits:
+            return {}
+        return {k: MAX_TIMEOUT_S for k in LIFTED_LIMITS if not os.environ.get(f"CRAG_{k.upper()}", "").strip()}
+
     def command(self) -> str:
         """The command line that repeats this run."""
         parts = ["llama-crag", "eval", "--dataset", str(self.dataset), "--systems", ",".join(self.systems)]
@@ -115,6 +129,8 @@ class EvalConfig:
             parts += ["--on-ungrounded", self.on_ungrounded]
         if not self.check_answers:
             parts.append("--no-check")
+        if self.time_limits:
+            parts.append("--time-limits")
         defaults = EvalConfig(dataset=self.dataset, out=self.out)
         for name in ("top_k", "rerank_top_k", "rerank_top_n"):
             if getattr(self, name) != getattr(defaults, name):
@@ -134,6 +150,7 @@ class EvalConfig:
             "scorer_defaults": spec_defaults(self.scorer),
             "calibration": content_hash(self.calibration) if self.calibration else None,
             "crag_settings": self.crag_settings(),
+            "lifted_limits": self.lifted_limits(),
             "environment": crag_environment(),
             # The packaged answer model decides every quoted answer: its weights, and its decision unless a quote
             # threshold is set (so that rows quoted at CRAG_QUOTE_THRESHOLD=0 outlive a refitted decision).
@@ -211,7 +228,7 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
         rerank_top_k=config.rerank_top_k,
         rerank_top_n=config.rerank_top_n,
         calibration=config.calibration,
-        crag_settings=config.crag_settings(),
+        crag_settings={**config.crag_settings(), **config.lifted_limits()},
     )
     setup_s = time.perf_counter() - started
     queries = [(q, ANSWERABLE if q.question.answerable else UNANSWERABLE) for q in questions] + [
@@ -256,6 +273,7 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
             "scorer": crag.grader.scorer.name if crag else config.scorer,
             "thresholds": crag.settings.model_dump(include={"upper", "lower", "aggregation"}) if crag else {},
             "answer_step": _answer_step(crag) if crag else {},
+            "time_limits": crag.settings.model_dump(include=set(LIFTED_LIMITS)) if crag else {},
             "setup_s": round(setup_s, 1),
             "wall_s": {name: round(t, 1) for name, t in wall_s.items()},
         },

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from llama_index_crag.core.settings import MAX_TIMEOUT_S
 from llama_index_crag.errors import MissingDependency
 from llama_index_crag.evaluation.metrics import LATENCY_STAGES
 
@@ -78,6 +79,7 @@ def markdown(results: Dict[str, Any]) -> str:
         f"- Index: bundled all-MiniLM-L6-v2, `VectorStoreIndex`, top-{config['top_k']}. Fallback: BM25 and "
         "sentence windows over the same chunks.",
         *_answer_note(meta.get("answer_step") or {}, config["generate"]),
+        *_limits_note(meta.get("time_limits") or {}),
         *_system_notes(meta, config, systems),
         f"- Set-up {meta['setup_s']} s; systems: " + ", ".join(f"{s} {t} s" for s, t in meta["wall_s"].items()) + ".",
         "",
@@ -112,6 +114,21 @@ def markdown(results: Dict[str, Any]) -> str:
         ]
     lines += ["## Plots", "", *(f"![{p[:-4]}]({p})" for p in PLOTS), ""]
     return "\n".join(lines)
+
+
+def _limits_note(limits: Dict[str, Any]) -> List[str]:
+    """CRAG's time limits on the correction path in this run: the engine's, or lifted so that load does not count."""
+    if not limits:
+        return []
+    correction = float(limits.get("correction_timeout_s") or 0.0)
+    rewrite = limits.get("rewrite_timeout_s")
+    if correction == MAX_TIMEOUT_S and rewrite == MAX_TIMEOUT_S:
+        return [
+            "- CRAG's time limits on the correction path lifted (the default of `llama-crag eval`; `--time-limits` "
+            "keeps them): on a busy machine a rewrite past its limit would search with the question's keywords "
+            "instead, and the figures would measure the load."
+        ]
+    return [f"- CRAG's time limits: correction {correction} s, each rewrite {rewrite or correction / 2} s."]
 
 
 def _answer_note(step: Dict[str, Any], generated: bool = True) -> List[str]:
