@@ -97,8 +97,10 @@ def add_parsers(commands: Any) -> None:
         help="train the answer step's network (which sentences answer) on labelled sentence pairs",
         description="Reads labelled question-sentence pairs, computes the answer model's features (the evidence "
         "scorer's, the kind of answer, figures and names), trains a small network on nine tenths of each source "
-        "(held out by article or question), prints its held-out AUROC by source and writes it to --out. Use it "
-        "with CRAG_ANSWER_MODEL=DIR.",
+        "(held out by article or question), and a second one, the ranker, that also reads how each sentence leads "
+        "the other sentences of its question; prints the held-out AUROC by source and how often the first "
+        "sentence answers, by probability and by the ranking, and writes both to --out. Use it with "
+        "CRAG_ANSWER_MODEL=DIR.",
     )
     answers.add_argument("--pairs-file", required=True, help="JSONL of question, passage, label (source, kind, title)")
     answers.add_argument("--out", required=True, help="the folder to write the network to")
