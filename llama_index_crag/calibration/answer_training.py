@@ -190,10 +190,10 @@ def train_answer_model(
     lead = question_leads(rows, features)
     ranker = network(np.hstack([features, lead]))
     model = AnswerModel({**network(features), **{RANKER + k: v for k, v in ranker.items()}})
-    held_p = model.probabilities(features[held])
+    everything_p = model.probabilities(features)
+    held_p = everything_p[held]
     all_sources = np.asarray([str(r.get("source") or "pairs") for r in rows])
     sources = all_sources[held]
-    everything_p = model.probabilities(features)
     ranked = (everything_p + model.read_against(features, lead)) / 2.0
     held_groups: Dict[str, Dict[Any, List[int]]] = {}
     for i in np.flatnonzero(held):

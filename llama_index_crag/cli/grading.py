@@ -176,7 +176,7 @@ def _add_dataset_options(parser: argparse.ArgumentParser, several: bool = False)
         default="all",
         help="design or check: one half of the set, cut by document so that a question and its passages stay "
         "together (fit on design, report check); all: the whole set; another name: the questions whose own 'split' "
-        "field has it (default: all)",
+        "field has it",
     )
     parser.add_argument("--target-precision", type=float, default=0.9, help="precision wanted of CORRECT")
     parser.add_argument("--target-recall", type=float, default=0.9, help="share of out-of-corpus batches to catch")

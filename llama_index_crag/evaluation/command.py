@@ -27,7 +27,7 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--systems",
         default=",".join(SYSTEM_NAMES),
-        help=f"comma-separated, from {', '.join(SYSTEM_NAMES)} (default: all)",
+        help=f"comma-separated, from {', '.join(SYSTEM_NAMES)}",
     )
     parser.add_argument("--limit", type=positive_int, default=None, help="ask only the first N questions")
     parser.add_argument(
@@ -35,7 +35,7 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
         choices=SPLITS,
         default="all",
         help="design or check: one half of the set, its documents and their questions, cut by document (choose on "
-        "design, report check); all: the whole set (default: all)",
+        "design, report check); all: the whole set",
     )
     parser.add_argument(
         "--out", default=None, help="output folder (default: eval-out/<dataset name>, with -<split> for a half)"
