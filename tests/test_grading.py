@@ -386,6 +386,8 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
                 str(tmp_path / "r"),
                 "--folds",
                 "3",
+                "--max-false-reject",
+                "0.1",
                 "--no-progress",
             ]
         )
@@ -424,6 +426,18 @@ def test_calibrate_then_report_on_the_sample_set(tmp_path: Path, capsys: Any) ->
     incorrect = [b["verdict"] == "incorrect" for b in evidence["batches"] if b["kind"] == "in-corpus"]
     assert evidence["false_reject"] == pytest.approx(sum(incorrect) / len(incorrect))
     assert f"/ {evidence['false_reject']:.3f} |" in printed
+    # At the cap: the highest lower that leaves at most a tenth of the answering batches under it, over the
+    # very scores in the JSON, and what it catches of each other kind.
+    at_cap = evidence["at_cap"]
+    answering = sorted(b["score"] for b in evidence["batches"] if b["kind"] == "in-corpus")
+    lower = round(at_cap["lower"], 6)  # the JSON's batch scores are rounded to 6 places
+    under = [s < lower for s in answering]
+    assert sum(under) <= 0.1 * len(answering) < sum(under) + 1 and lower in answering
+    for other in ("out-of-corpus", "unanswerable"):
+        scores = [b["score"] for b in evidence["batches"] if b["kind"] == other]
+        caught = sum(s < lower for s in scores) / len(scores)
+        assert evidence["rows"][other]["caught_at_cap"] == at_cap["caught"][other] == pytest.approx(caught)
+    assert "caught at the cap: " in printed and f"| {at_cap['caught']['unanswerable']:.3f} / " in printed
     with pytest.raises(ValueError, match="calibrate on a split"):
         from llama_index_crag.calibration.report import run_report
 
@@ -514,6 +528,27 @@ def test_the_accuracy_ceiling_is_the_best_single_threshold() -> None:
     none_answerable = accuracy_ceiling(np.asarray([0.3, 0.5]), np.asarray([False, False]))
     assert none_answerable["accuracy"] == 1.0 and none_answerable["lower"] > 0.5
     assert accuracy_ceiling(np.asarray([]), np.asarray([], dtype=bool)) == {"accuracy": None, "lower": None}
+
+
+def test_caught_at_the_cap_is_the_highest_lower_within_the_cap() -> None:
+    from llama_index_crag.calibration.report_figures import caught_at_cap
+
+    kinds = np.asarray(["in-corpus"] * 10 + ["out-of-corpus"] * 4 + ["unanswerable"] * 2)
+    answering = [0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.3, 0.2]
+    scores = np.asarray(answering + [0.1, 0.25, 0.5, 0.62] + [0.55, 0.99])
+    # A fifth of ten may fall under: lower is the third lowest answering score, 0.6, and 0.2 and 0.3 are under it.
+    found = caught_at_cap(scores, kinds, 0.2)
+    assert found is not None and found["lower"] == 0.6 and found["answering_under"] == pytest.approx(0.2)
+    assert found["caught"] == {"out-of-corpus": pytest.approx(0.75), "unanswerable": pytest.approx(0.5)}
+    # No answering batch may fall under: lower is the lowest of them.
+    none = caught_at_cap(scores, kinds, 0.0)
+    assert none is not None and none["lower"] == 0.2 and none["caught"]["out-of-corpus"] == pytest.approx(0.25)
+    # A cap of every answering batch puts lower just above the highest of them (0.99 is higher still).
+    every = caught_at_cap(scores, kinds, 1.0)
+    assert every is not None and every["answering_under"] == 1.0 and 0.95 < every["lower"] < 0.99
+    assert every["caught"] == {"out-of-corpus": 1.0, "unanswerable": 0.5}
+    # No answering batch, no bound.
+    assert caught_at_cap(scores[10:], kinds[10:], 0.05) is None
 
 
 def test_the_engine_loads_learned_weights_from_its_calibration_file(tmp_path: Path) -> None:

@@ -254,7 +254,7 @@ def run_report(
                 f"{name}: --judge-limit {judge_limit} leaves {len(subset)} batches, too few to measure it ({exc}); "
                 "raise --judge-limit"
             ) from exc
-        result = figures(outcome)
+        result = figures(outcome, targets.get("max_false_reject"))
         result["strips"] = outcome.strips
         result["default"] = name == "default"
         result["protocol"] = "calibration file, held-out rows" if fitted else f"{folds}-fold cross-validation"

@@ -36,8 +36,9 @@ def auroc(positive: np.ndarray, negative: np.ndarray) -> Optional[float]:
     return float(roc_auc_score([1] * len(positive) + [0] * len(negative), np.concatenate([positive, negative])))
 
 
-def figures(outcome: Outcome) -> Dict[str, Any]:
-    """AUROC, accuracy and the three-band confusion matrix of one scorer's outcome."""
+def figures(outcome: Outcome, cap: Optional[float] = None) -> Dict[str, Any]:
+    """AUROC, accuracy and the three-band confusion matrix of one scorer's outcome; with ``cap`` (a share of the
+    answering batches), what the best ``lower`` under that cap catches of each other kind (``caught_at_cap``)."""
     kinds = np.asarray([b.kind for b in outcome.batches])
     verdicts = np.asarray([band(s, u, lo).value for s, u, lo in zip(outcome.aggregate, outcome.upper, outcome.lower)])
     confusion = {k: {v.value: int(((kinds == k) & (verdicts == v.value)).sum()) for v in Verdict} for k in KINDS}
@@ -54,6 +55,10 @@ def figures(outcome: Outcome) -> Dict[str, Any]:
                 "batches": int(mask.sum()),
             }
     with_answer = kinds == IN_CORPUS
+    at_cap = caught_at_cap(outcome.aggregate, kinds, cap) if cap is not None else None
+    if at_cap is not None:
+        for other, values in rows.items():
+            values["caught_at_cap"] = at_cap["caught"].get(other)
     return {
         "scorer": outcome.scorer,
         "normalization": outcome.normalization,
@@ -62,6 +67,7 @@ def figures(outcome: Outcome) -> Dict[str, Any]:
         # Batches with the answer graded INCORRECT: what the engine abstains on unless its fallback finds it.
         "false_reject": float((~answered[with_answer]).mean()) if with_answer.any() else None,
         "accuracy_ceiling": accuracy_ceiling(outcome.aggregate, kinds == IN_CORPUS),
+        "at_cap": at_cap,
         "confusion": confusion,
         "pairs_per_second": round(outcome.pairs_per_second, 1),
         "thresholds_mean": {"upper": float(outcome.upper.mean()), "lower": float(outcome.lower.mean())},
@@ -146,12 +152,30 @@ def accuracy_ceiling(scores: np.ndarray, answerable: np.ndarray) -> Dict[str, Op
     return {"accuracy": float(right[best] / len(scores)), "lower": lower}
 
 
+def caught_at_cap(scores: np.ndarray, kinds: np.ndarray, cap: float) -> Optional[Dict[str, Any]]:
+    """The highest ``lower`` that leaves at most ``cap`` of the answering batches under it, and the share of each
+    other kind of batch under it.
+
+    Like ``accuracy_ceiling``, chosen on the very rows it is measured on: a bound, not a
+    result. It answers "at the false abstention a target allows, what could this score
+    catch at best?": when that misses the target, no threshold reaches it and only a
+    better scorer can. A batch under ``lower`` is graded INCORRECT.
+    """
+    answering = np.sort(scores[kinds == IN_CORPUS])
+    if not len(answering):
+        return None
+    allowed = int(np.floor(cap * len(answering) + 1e-9))
+    lower = float(answering[allowed]) if allowed < len(answering) else float(np.nextafter(answering[-1], np.inf))
+    caught = {other: float((scores[kinds == other] < lower).mean()) for other in KINDS[1:] if (kinds == other).any()}
+    return {"cap": cap, "lower": lower, "answering_under": float((answering < lower).mean()), "caught": caught}
+
+
 def table(results: Sequence[Mapping[str, Any]]) -> str:
     """The report as a Markdown table: one row per scorer and comparison."""
     lines = [
         "| scorer | row | AUROC | against the default (95%) | accuracy | graded INCORRECT: row / with the answer "
-        "| batches | three-band accuracy | ceiling | pairs/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| batches | three-band accuracy | ceiling | caught at the cap | pairs/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         for row, values in result["rows"].items():
@@ -160,8 +184,23 @@ def table(results: Sequence[Mapping[str, Any]]) -> str:
             lines.append(
                 f"| {scorer} | {row} | {shown} | {_against(values)} | {values['accuracy']:.3f} "
                 f"| {_rejected(result, values)} | {values['batches']} | {result['three_band_accuracy']:.3f} "
-                f"| {_ceiling(result)} | {result['pairs_per_second']:.0f} |"
+                f"| {_ceiling(result)} | {_at_cap(result, values)} | {result['pairs_per_second']:.0f} |"
             )
+    return "\n".join(lines)
+
+
+def legend(targets: Mapping[str, Any]) -> str:
+    """What the table's bounds mean, as printed under it."""
+    lines = [
+        "ceiling: the best three-band accuracy any single lower threshold reaches on these scores, "
+        "chosen on the same rows (a bound, not a result)"
+    ]
+    if targets.get("max_false_reject") is not None:
+        lines.append(
+            "caught at the cap: the share of the row's batches under the highest lower that leaves at most "
+            f"{targets['max_false_reject']:g} of the batches with the answer under it (/ the share it leaves), "
+            "chosen on the same rows (a bound, not a result)"
+        )
     return "\n".join(lines)
 
 
@@ -182,6 +221,13 @@ def _rejected(result: Mapping[str, Any], values: Mapping[str, Any]) -> str:
 def _ceiling(result: Mapping[str, Any]) -> str:
     value = result["accuracy_ceiling"]["accuracy"]
     return "-" if value is None else f"{value:.3f}"
+
+
+def _at_cap(result: Mapping[str, Any], values: Mapping[str, Any]) -> str:
+    at_cap = result.get("at_cap")
+    if not at_cap or values.get("caught_at_cap") is None:
+        return "-"
+    return f"{values['caught_at_cap']:.3f} / {at_cap['answering_under']:.3f}"
 
 
 def plot(outcomes: Sequence[Outcome], path: Path) -> None:

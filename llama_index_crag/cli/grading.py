@@ -317,7 +317,7 @@ def _pack_grader(args: argparse.Namespace) -> int:
 
 def _grade_report(args: argparse.Namespace) -> int:
     from llama_index_crag.calibration.report import run_report
-    from llama_index_crag.calibration.report_figures import table
+    from llama_index_crag.calibration.report_figures import legend, table
 
     report = run_report(
         Path(args.dataset),
@@ -337,10 +337,7 @@ def _grade_report(args: argparse.Namespace) -> int:
     half = "" if args.split == "all" else f", {args.split} half"
     print(f"{report['dataset']} ({report['protocol']}{half}, top-{report['k']} candidates)\n")
     print(table(report["results"]))
-    print(
-        "\nceiling: the best three-band accuracy any single lower threshold reaches on these scores, "
-        "chosen on the same rows (a bound, not a result)"
-    )
+    print("\n" + legend(report["targets"]))
     if "best_sentence" in report:
         best = {k: "-" if v is None else f"{v:.3f}" for k, v in report["best_sentence"].items()}
         print(
