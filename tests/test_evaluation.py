@@ -131,6 +131,13 @@ def test_eval_command_writes_the_report_the_json_and_the_plots(
         assert abs(sum(f["actions"].values()) - 1.0) < 1e-6
         assert f["latency_ms"]["total"]["p50"] > 0 and f["latency_ms"]["retrieve"]["n"] == 6
     assert figures["plain"]["answer_in_context"] == 1.0 and figures["plain"]["abstain_out_of_corpus"] == 0.0
+    # Every answerable row says whether its document was retrieved (plain's context held it each time), and the
+    # false abstentions with it retrieved are a part of the false abstentions.
+    answerable = [r for r in results["rows"] if r["kind"] == "answerable"]
+    assert all(r["gold_retrieved"] is not None for r in answerable if r["system"] != "llm-judge")
+    assert all(r["gold_retrieved"] for r in answerable if r["system"] == "plain")
+    assert all(r["gold_retrieved"] is None for r in results["rows"] if r["kind"] != "answerable")
+    assert 0.0 <= figures["crag"]["false_abstention_retrieved"] <= figures["crag"]["false_abstention"]
     assert figures["plain"]["input_tokens"] > figures["rerank"]["input_tokens"] > 0
     assert figures["crag"]["abstain_unanswerable"] >= 0.5, "CRAG abstains at least on the off-topic question"
     assert 4 <= figures["llm-judge"]["judge_calls"] <= 5, "one call per chunk: 5 documents, 4 with one hidden"
@@ -386,6 +393,33 @@ def test_truthfulness_rewards_abstaining_over_guessing() -> None:
     # ... unless another passage held it after all, and the answer found it.
     assert truthfulness(row(OUT_OF_CORPUS, False, True)) == 1
     assert truthfulness(row(ANSWERABLE, False, None)) is None
+
+
+def test_a_false_abstention_says_whether_the_questions_document_was_retrieved() -> None:
+    question = EvalQuestion(
+        Question("q1", "Why does unemployment harm growth?", answers=["waste"], relevant_doc_ids=["d1"]), ("waste",)
+    )
+    unanswerable = EvalQuestion(Question("q2", "Why does unemployment harm trade?", answerable=False), ())
+
+    def row(listed: List[Tuple[str, str]], kind: str = ANSWERABLE, context: Tuple[str, ...] = ()) -> Dict[str, Any]:
+        nodes = [{"doc_id": d, "source": source} for d, source in listed]
+        trace = {"abstained": not context, "action": "incorrect", "nodes": nodes, "timings_ms": {}}
+        sources = [NodeWithScore(node=TextNode(text="waste", metadata={"doc_id": d}), score=1.0) for d in context]
+        response = Response("waste" if context else "I don't know.", source_nodes=sources, metadata={"crag": trace})
+        asked = unanswerable if kind == UNANSWERABLE else question
+        return make_row("crag", kind, asked, response, 1.0, (0, 0), False, words)
+
+    # Among the first candidates: the grade (or the quote step) turned it down. Only in the fallback's: retrieval.
+    graded_down = row([("d2", "retriever"), ("d1", "retriever")])
+    missed = row([("d2", "retriever"), ("d1", "bm25")])
+    assert graded_down["gold_retrieved"] is True and missed["gold_retrieved"] is False
+    # A system whose trace lists no candidates is read by its context; a question with no document of its own,
+    # or an abstention with nothing listed, says nothing.
+    assert row([], context=("d1",))["gold_retrieved"] is True
+    assert row([("d1", "retriever")], kind=UNANSWERABLE)["gold_retrieved"] is None
+    assert row([])["gold_retrieved"] is None
+    figures = summarize([graded_down, missed, row([], context=("d1",)), row([])], ["crag"])["crag"]
+    assert figures["false_abstention"] == 0.75 and figures["false_abstention_retrieved"] == pytest.approx(1 / 3)
 
 
 def test_an_out_of_corpus_question_answered_from_another_passage_that_holds_its_answer_is_right() -> None:

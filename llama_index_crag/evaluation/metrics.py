@@ -63,6 +63,7 @@ def make_row(
         "context_tokens": sum(tokens),
         "relevant_context_tokens": sum(t for t, d in zip(tokens, doc_ids) if d in relevant),
         "answer_in_context": contains_any(" ".join(texts), question.gold_context) if has_gold else None,
+        "gold_retrieved": _gold_retrieved(trace, response, relevant),
         "input_tokens": generator_input[0],
         "generator_calls": generator_input[1],
         "judge_calls": trace.get("judge_calls", 0),
@@ -79,6 +80,18 @@ def make_row(
         else None,
         "timings_ms": {**trace["timings_ms"], "total": round(total_ms, 3)},
     }
+
+
+def _gold_retrieved(trace: Dict[str, Any], response: RESPONSE_TYPE, relevant: set) -> Optional[bool]:
+    """Whether a passage of the question's own documents was among the candidates first retrieved: the trace's
+    primary candidates, or for a system that lists none, its context. None for a question with no documents of
+    its own (unanswerable, out of corpus) or when neither is known."""
+    if not relevant:
+        return None
+    listed = [n.get("doc_id") for n in trace.get("nodes") or [] if n.get("source", "retriever") == "retriever"]
+    if not listed:
+        listed = [n.node.metadata.get("doc_id") for n in response.source_nodes]
+    return bool(relevant & set(listed)) if listed else None
 
 
 def _quoted(trace: Dict[str, Any]) -> Optional[List[str]]:
@@ -148,6 +161,12 @@ def summarize(rows: Sequence[Dict[str, Any]], systems: Sequence[str]) -> Dict[st
             ),
             "abstain_unanswerable": _mean([r["abstained"] for r in kind[UNANSWERABLE]]),
             "false_abstention": _mean([r["abstained"] for r in answerable]),
+            "false_abstention_retrieved": _mean(
+                [
+                    None if r.get("gold_retrieved") is None else r["abstained"] and r["gold_retrieved"]
+                    for r in answerable
+                ]
+            ),
             "false_abstention_plain_in_context": (
                 _mean([r["abstained"] for r in answerable if r["qid"] in plain_had_it]) if has_plain else None
             ),

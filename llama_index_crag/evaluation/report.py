@@ -22,6 +22,11 @@ _ROWS: Sequence[Tuple[str, str, str]] = (
     ("abstention, unanswerable (higher is right)", "abstain_unanswerable", "pct"),
     ("false abstention, answerable (lower is right)", "false_abstention", "pct"),
     ("false abstention, answerable that plain RAG had in context", "false_abstention_plain_in_context", "pct"),
+    (
+        "false abstention with a passage of the question's document retrieved (the grade's or the quote's)",
+        "false_abstention_retrieved",
+        "pct",
+    ),
     ("answer in context, answerable", "answer_in_context", "pct"),
     ("context precision, answerable", "context_precision", "pct"),
     ("unsupported answers: answered without the gold in context", "unsupported_answers", "pct"),
