@@ -35,6 +35,7 @@ LIFTED = {"CRAG_CORRECTION_TIMEOUT_S": "86400", "CRAG_REWRITE_TIMEOUT_S": "86400
 #: The figures compared, each with its label and its key in results.json.
 FIGURES: List[Tuple[str, str]] = [
     ("false abstention, answerable (lower is better)", "false_abstention"),
+    ("... of it with the question's document retrieved (n/a: a tree before the figure)", "false_abstention_retrieved"),
     ("truthfulness, correct - wrong", "truthfulness"),
     ("out-of-corpus abstention", "abstain_out_of_corpus"),
     ("unanswerable abstention", "abstain_unanswerable"),
