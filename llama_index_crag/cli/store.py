@@ -8,6 +8,7 @@ from typing import Any
 from llama_index_crag.arguments import LOG_LEVELS, RenamedOption, http_url, port, positive_int, seconds
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
+from llama_index_crag.stores.metadata import metadata_pair
 
 
 def add_parsers(commands: Any) -> None:
@@ -19,7 +20,8 @@ def add_parsers(commands: Any) -> None:
         "files), chunks and embeds it, and writes the vector index, the chunks for the BM25 and sentence-window "
         "fallback, their embeddings, the evidence scorer's corpus statistics, and the calibration and grader it "
         "is built with. Run it again on a changed folder: only added or changed documents are embedded, vanished "
-        "ones are removed.",
+        "ones are removed. Each document keeps its metadata for filters: YAML front matter of a Markdown file, "
+        "a sidecar NAME.meta.json beside any file, and --metadata for all (which wins, then the sidecar).",
     )
     ingest.add_argument("docs", metavar="DOCS_DIR", help="folder of documents")
     ingest.add_argument("--out", metavar="INDEX_DIR", help="the index folder to write or update")
@@ -36,6 +38,15 @@ def add_parsers(commands: Any) -> None:
     ingest.add_argument("--calibration", default=None, help="a calibration file to serve with (llama-crag calibrate)")
     ingest.add_argument("--grader", default=None, help="a grader directory to serve with (llama-crag train-grader)")
     ingest.add_argument("--no-warm", dest="warm", action="store_false", help="do not embed the sentence windows now")
+    ingest.add_argument(
+        "--metadata",
+        metavar="KEY=VALUE",
+        type=metadata_pair,
+        action="append",
+        default=[],
+        help="metadata of every document, over its own (repeatable; a key given twice holds a list): true/false "
+        "a boolean, 12 or 0.5 a number, anything else text",
+    )
     ingest.set_defaults(run=_ingest)
 
     serve = commands.add_parser(
@@ -89,9 +100,15 @@ def add_parsers(commands: Any) -> None:
 
 def _ingest(args: argparse.Namespace) -> int:
     from llama_index_crag.stores.folder import ingest
+    from llama_index_crag.stores.metadata import pairs_metadata
 
     if bool(args.out) == bool(args.store):
         raise ConfigError("ingest needs either --out INDEX_DIR or --store postgresql://...")
+    metadata = pairs_metadata(args.metadata)
+    if args.store and metadata:
+        raise ConfigError(
+            "--metadata is for an index folder (--out); with --store, give the metadata in front matter or sidecars"
+        )
     if args.store:
         from llama_index_crag.stores.postgres import PostgresStore
         from llama_index_crag.stores.postgres import ingest as ingest_store
@@ -102,11 +119,19 @@ def _ingest(args: argparse.Namespace) -> int:
         print(f"Serve it: llama-crag serve --store URL --table {args.table}")
         return 0
     report = ingest(
-        args.docs, args.out, calibration=args.calibration, grader=args.grader, warm_fallback=args.warm, progress=True
+        args.docs,
+        args.out,
+        calibration=args.calibration,
+        grader=args.grader,
+        warm_fallback=args.warm,
+        progress=True,
+        metadata=metadata,
     )
     print(report.summary() + f" in {report.seconds:.1f} s")
     for skipped in report.skipped:
         print(f"  skipped {skipped}")
+    for note in report.notes:
+        print(f"  metadata: {note}")
     print(f"Serve it: llama-crag serve --index {args.out}")
     return 0
 

@@ -13,18 +13,23 @@ the documents again or embedding anything but queries:
   the embedding model, the grader directory (a trained reader, if one was given) and
   the counts of the last ingest.
 
+Each document carries its own metadata besides ``doc_id`` and ``file_name`` (front matter, a sidecar
+``NAME.meta.json``, ``--metadata``: ``stores/metadata.py``) on every chunk, for ``MetadataFilters``; it is kept
+out of the text that is embedded and shown to the LLM, all but ``title``.
+
 Ingesting the same folder again updates only what changed: documents whose content
-hash differs are re-chunked and re-embedded, new ones inserted, vanished ones deleted.
+or metadata hash differs are re-chunked and re-embedded, new ones inserted, vanished ones deleted.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from llama_index.core import Document, StorageContext, VectorStoreIndex, load_index_from_storage
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -33,6 +38,17 @@ from llama_index.core.schema import BaseNode, MetadataMode
 from llama_index_crag.datasets import load_documents
 from llama_index_crag.errors import IndexFolderError
 from llama_index_crag.stores.chunking import splitter
+from llama_index_crag.stores.metadata import (
+    MARKDOWN_SUFFIXES,
+    checked_metadata,
+    described,
+    document_of,
+    document_with,
+    is_sidecar,
+    read_front_matter,
+    read_sidecar,
+    sidecar_of,
+)
 from llama_index_crag.text.cleaning import clean_text
 
 FORMAT = 1
@@ -43,6 +59,8 @@ CORPUS_STATS = "corpus_stats.json"
 CALIBRATION = "calibration.json"
 #: Files a folder of documents may hold; others are skipped and counted.
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".html", ".htm", ".csv", ".json")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,16 +76,25 @@ class IngestReport:
     unchanged: int = 0
     skipped: List[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: What was not taken from the documents' metadata, and why (bad front matter or sidecar, a refused key).
+    notes: List[str] = field(default_factory=list)
 
     def summary(self) -> str:
         return (
             f"{self.index_dir}: {self.documents} documents, {self.nodes} chunks; "
             f"{len(self.added)} added, {len(self.updated)} updated, {len(self.removed)} removed, "
-            f"{self.unchanged} unchanged" + (f", {len(self.skipped)} files skipped" if self.skipped else "")
+            f"{self.unchanged} unchanged"
+            + (f", {len(self.skipped)} files skipped" if self.skipped else "")
+            + (f", {len(self.notes)} notes on metadata" if self.notes else "")
         )
 
 
-def read_documents(source: Path, exclude: Optional[Path] = None) -> tuple[List[Document], List[str]]:
+def read_documents(
+    source: Path,
+    exclude: Optional[Path] = None,
+    metadata: Optional[Mapping[str, Any]] = None,
+    notes: Optional[List[str]] = None,
+) -> tuple[List[Document], List[str]]:
     """The documents of ``source``: a ``corpus.jsonl`` in the shared dataset format, or a folder of text files.
 
     Each document's id is its ``doc_id`` or its path relative to ``source``, so that the
@@ -75,20 +102,44 @@ def read_documents(source: Path, exclude: Optional[Path] = None) -> tuple[List[D
     (empty, binary or of a kind this reader does not take). Hidden files and folders are not read, nor
     anything inside ``exclude`` (the index folder, when it lives among the documents) or inside another
     index folder: an index read as documents would grow with every ingest.
+
+    A document's metadata comes from its front matter (Markdown) and its sidecar ``NAME.meta.json``, and
+    ``metadata`` is given to every document (it wins over both; a ``corpus.jsonl`` has only ``metadata``).
+    What is refused there is appended to ``notes`` (logged as warnings when ``notes`` is None); sidecars are
+    never documents.
     """
     source = Path(source)
     if not source.is_dir():
         raise IndexFolderError(f"{source} is not a folder of documents")
+    given = checked_metadata(metadata)
+    said: List[str] = [] if notes is None else notes
+    try:
+        return _read_documents(source, exclude, given, said)
+    finally:
+        if notes is None:
+            for note in said:
+                logger.warning(note)
+
+
+def _read_documents(
+    source: Path, exclude: Optional[Path], given: Dict[str, Any], notes: List[str]
+) -> tuple[List[Document], List[str]]:
     if (source / "corpus.jsonl").exists():
-        documents = [d for d in load_documents(source) if d.text.strip()]
+        rows = [({k: v for k, v in d.metadata.items() if k != "doc_id"}, d) for d in load_documents(source)]
+        documents = [
+            document_with(d.text, d.id_, {"doc_id": d.id_}, o, given, notes) for o, d in rows if d.text.strip()
+        ]
         return documents, []
     documents, skipped, ids = [], [], set()
     indexes = {p.parent for p in source.rglob(MANIFEST)} | ({exclude.resolve()} if exclude else set())
-    for path in sorted(p for p in source.rglob("*") if p.is_file() and _readable(p, source, indexes)):
-        # a name that is not UTF-8 keeps its bytes visible as backslash escapes (a real name may hold the same)
-        relative = (
-            path.relative_to(source).as_posix().encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-        )
+    files = sorted(p for p in source.rglob("*") if p.is_file() and _readable(p, source, indexes))
+    listed = set(files)
+    for path in files:
+        relative = _relative(path, source)
+        if is_sidecar(path):
+            if document_of(path) not in listed:
+                notes.append(f"{relative}: no file {document_of(path).name} beside this sidecar: ignored")
+            continue
         if path.suffix.lower() not in TEXT_SUFFIXES:
             skipped.append(f"{relative} (not a text format: {', '.join(TEXT_SUFFIXES)})")
             continue
@@ -97,6 +148,9 @@ def read_documents(source: Path, exclude: Optional[Path] = None) -> tuple[List[D
             skipped.append(f"{relative} (binary content)")
             continue
         text = raw.decode("utf-8", errors="replace")
+        own: Dict[str, Any] = {}
+        if path.suffix.lower() in MARKDOWN_SUFFIXES:
+            text, own = read_front_matter(text, relative, notes)
         if path.suffix.lower() in (".html", ".htm"):
             try:
                 text = _html_text(text)
@@ -112,16 +166,17 @@ def read_documents(source: Path, exclude: Optional[Path] = None) -> tuple[List[D
                 f"two files of {source} read as the document id {relative!r}: rename one of them"
             )
         ids.add(relative)
-        documents.append(
-            Document(
-                text=text,
-                id_=relative,
-                metadata={"doc_id": relative, "file_name": relative.rsplit("/", 1)[-1]},
-                excluded_embed_metadata_keys=["doc_id"],
-                excluded_llm_metadata_keys=["doc_id"],
-            )
-        )
+        sidecar = sidecar_of(path)
+        if sidecar in listed:  # the sidecar's keys win over the front matter's
+            own = {**own, **read_sidecar(sidecar, _relative(sidecar, source), notes)}
+        base = {"doc_id": relative, "file_name": relative.rsplit("/", 1)[-1]}
+        documents.append(document_with(text, relative, base, own, given, notes))
     return documents, skipped
+
+
+def _relative(path: Path, source: Path) -> str:
+    """``path``'s id under ``source``: a name that is not UTF-8 keeps its bytes visible as backslash escapes."""
+    return path.relative_to(source).as_posix().encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _readable(path: Path, source: Path, indexes: set[Path]) -> bool:
@@ -173,6 +228,7 @@ def ingest(
     grader: Optional[Path | str] = None,
     warm_fallback: bool = True,
     progress: bool = False,
+    metadata: Optional[Mapping[str, Any]] = None,
 ) -> IngestReport:
     """Build or update the index folder ``index_dir`` from the documents in ``source``.
 
@@ -180,7 +236,9 @@ def ingest(
     the first and deletes those that are gone. ``calibration`` (a calibration file) and
     ``grader`` (a ``train-grader`` directory) are recorded and used by ``load_engine``.
     With ``warm_fallback`` the fallback's sentence windows are embedded now, so that
-    the first INCORRECT query of a server does not pay for it.
+    the first INCORRECT query of a server does not pay for it. ``metadata`` is given to every document
+    (``--metadata``); it wins over a document's front matter and sidecar, and a change of any of them
+    updates the document. What the documents' metadata could not give is in the report's ``notes``.
     """
     import time
 
@@ -199,7 +257,9 @@ def ingest(
         from llama_index_crag.settings_sources import read_calibration
 
         read_calibration(calibration, None)
-    documents, skipped = read_documents(source, exclude=index_dir)
+    given = checked_metadata(metadata)
+    notes: List[str] = []
+    documents, skipped = read_documents(source, exclude=index_dir, metadata=given, notes=notes)
     if not documents:
         held = len(_manifest(index_dir).get("documents", {})) if (index_dir / MANIFEST).exists() else 0
         raise IndexFolderError(
@@ -213,10 +273,15 @@ def ingest(
         )
     index_dir.mkdir(parents=True, exist_ok=True)
     embedder = _embedder(index_dir, embed_model)
-    report = IngestReport(index_dir=str(index_dir), documents=len(documents), nodes=0, skipped=skipped)
+    report = IngestReport(index_dir=str(index_dir), documents=len(documents), nodes=0, skipped=skipped, notes=notes)
     old: Dict[str, Any] = {}
     if (index_dir / MANIFEST).exists():
         old = _manifest(index_dir)
+        if old.get("documents") and old.get("metadata", {}) != given:
+            notes.append(
+                f"the last ingest gave every document {described(old.get('metadata', {}))}, this one gives "
+                f"{described(given)}: documents that change with it are updated"
+            )
         index = load_index_from_storage(
             StorageContext.from_defaults(persist_dir=str(index_dir / STORAGE)),
             embed_model=embedder,
@@ -262,6 +327,7 @@ def ingest(
         "source": str(source),
         "embed_model": embedder.model_name,
         "documents": {d.id_: d.hash for d in documents},
+        "metadata": given,
         "nodes": len(nodes),
         "calibration": CALIBRATION if (index_dir / CALIBRATION).exists() else None,
         "grader": str(Path(grader).resolve()) if grader else old.get("grader"),
