@@ -245,6 +245,11 @@ def test_openai_sdk_uses_the_engine_as_a_model(server: LiveServer) -> None:
     assert extra["crag"]["abstained"] and extra["crag"]["query"] == OUT_OF_CORPUS
 
     assert completion.model == listed.id
+    # usage counts the question and the answer (the scripted LLM has no tokenizer: in words); it was always 0.
+    assert completion.usage is not None
+    assert completion.usage.prompt_tokens == len(OUT_OF_CORPUS.split())
+    assert completion.usage.completion_tokens == len((completion.choices[0].message.content or "").split()) > 0
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
     stream = client.chat.completions.create(
         model="llama-index-crag", messages=[{"role": "user", "content": ANSWERED}], stream=True
     )
@@ -252,6 +257,7 @@ def test_openai_sdk_uses_the_engine_as_a_model(server: LiveServer) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text and chunks[-1].choices[0].finish_reason == "stop"
     assert (chunks[-1].model_extra or {})["crag"]["query"] == ANSWERED
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(text.split()) > 0
 
 
 @pytest.mark.parametrize(
@@ -346,6 +352,9 @@ def test_recent_queries_and_metrics(loaded: Any) -> None:
         assert [r["query"] for r in recent] == [OUT_OF_CORPUS, ANSWERED, OUT_OF_CORPUS, ANSWERED]
         full = httpx.get(f"{live.url}/queries/{recent[0]['id']}").json()
         assert full["crag"]["query"] == OUT_OF_CORPUS and full["abstained"]
+        assert "caller" not in full["crag"]  # a server without keys has no callers to name
+        assert httpx.get(live.url + "/v1/models").status_code == 200
+        assert httpx.get(live.url + "/v1/models/llama-index-crag").status_code == 200
         metrics = httpx.get(live.url + "/metrics").text
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines() if line and line[0] != "#"}
     assert values["crag_refusal_rate"] == 0.5 and values["crag_fallback_rate"] == 0.5
@@ -353,6 +362,9 @@ def test_recent_queries_and_metrics(loaded: Any) -> None:
     assert values['crag_actions_total{abstained="true",action="incorrect"}'] >= 2
     assert any(k.startswith("crag_query_seconds_bucket") for k in values)
     assert values['crag_http_requests_total{route="/query",status="200"}'] >= 4
+    # The model list has its own route (chat UIs ask it first); it was counted under "other".
+    assert values['crag_http_requests_total{route="/v1/models",status="200"}'] >= 1
+    assert values['crag_http_requests_total{route="/v1/models/{id}",status="200"}'] >= 1
 
 
 class Broken(BaseRetriever):
@@ -478,6 +490,19 @@ def test_cors_is_off_unless_configured(server: LiveServer, loaded: Any) -> None:
         assert refused() == before + 2
 
 
+def test_the_generator_has_a_short_label_for_the_console_and_its_whole_sentence_in_health(loaded: Any) -> None:
+    from llama_index_crag.server.main import ServeOptions, build_llm
+
+    llm, generator = build_llm(ServeOptions(index="", llm="none"))
+    assert llm is None and generator.label == "none (quoted answers)" and "rewrites" in generator.name
+    dead = f"http://127.0.0.1:{free_port()}"
+    _, ollama = build_llm(ServeOptions(index="", llm="ollama", model="qwen2.5:3b", ollama_url=dead))
+    assert ollama.label == "Ollama qwen2.5:3b" and dead in ollama.name
+    with LiveServer(create_app(load_engine(loaded, None), generator=generator)) as live:
+        said = httpx.get(live.url + "/healthz").json()["generator"]
+    assert said["label"] == "none (quoted answers)" and said["name"] == generator.name
+
+
 def test_a_dead_generator_gives_503_naming_it_and_the_server_stays_up(loaded: Any) -> None:
     from llama_index.llms.ollama import Ollama
 
@@ -590,10 +615,15 @@ def test_torch_runs_on_the_workers_threads_unless_omp_num_threads_says_otherwise
 @pytest.mark.slow
 def test_the_served_bundled_model_runs_on_the_workers_threads() -> None:
     from llama_index_crag.server.main import ServeOptions, build_llm
+    from llama_index_crag.server.service import token_counter
 
     llm, generator = build_llm(ServeOptions(index="", llm="llamacpp"), threads=1)
     assert llm.model_kwargs["n_threads"] == 1 and generator.name.endswith(", 1 thread")
+    assert generator.label.startswith("llama.cpp ") and generator.label.endswith(".gguf")
     assert str(llm.complete("Name one colour.")).strip()
+    # The chat route's usage counts with the model's own tokenizer: more tokens than words here.
+    count, unit = token_counter(llm)
+    assert unit == "tokens" and count("Quoted from the documents (not generated): antidisestablishment") > 7
 
 
 # --- the [server] extra ------------------------------------------------------------------------------------------

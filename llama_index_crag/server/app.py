@@ -6,9 +6,12 @@
 ``GET /healthz``, ``GET /recent`` and ``GET /queries/{id}`` (the last answers, for the
 console), ``GET /`` (the console).
 
-Safe by default: the CLI binds to 127.0.0.1; ``CRAG_API_KEY`` (or ``api_key=``) guards
+Safe by default: the CLI binds to 127.0.0.1; ``CRAG_API_KEY`` (or ``api_key=``) or a keys
+file (``--api-keys``, or ``api_keys=``: each key with its caller's name and scope) guards
 every data route (``Authorization: Bearer KEY`` or ``X-API-Key``) but ``/healthz`` and the
-console's static page, which holds no data and asks for the key; bodies and queries have
+console's static page, which holds no data and asks for the key. A key's queries are
+answered within its scope (``engine.scoped``), and each caller sees only its own recent
+queries. Bodies and queries have
 size limits; CORS is off unless origins are given. Every error is JSON in OpenAI's shape,
 ``{"error": {"type", "code", "message"}}``.
 """

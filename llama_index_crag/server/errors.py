@@ -84,5 +84,6 @@ def add_error_handlers(app: FastAPI, unauthorized: Callable[[Request], Awaitable
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("query failed")
+        caller = getattr(request.state, "caller", None)  # the key's name, never the key
+        log.exception("%s %s%s failed", request.method, request.url.path, f" by {caller}" if caller else "")
         return ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}", "server_error").response()

@@ -7,15 +7,21 @@ Each worker's models (torch's and the bundled llama.cpp's) run on its share of t
 cores, ``worker_threads``: N processes that each start a thread per core would run
 N threads on every core, and spinning threads that wait on each other slow every
 query down.
+
+The API keys (``--api-keys FILE``, ``CRAG_API_KEYS_FILE``, or ``CRAG_API_KEY`` for one key with no
+scope) are read, and a file that cannot be used is refused, before any model is loaded; each
+worker reads the file again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 OPTIONS_ENV = "CRAG_SERVE_OPTIONS"
@@ -44,6 +50,15 @@ class ServeOptions:
     rate_window_s: float = 300.0
     log_level: str = "info"
     threads: Optional[int] = None  # per worker, for torch and llama.cpp; None: the usable cores shared out
+    api_keys_file: Optional[str] = None  # a keys file (keys.py); None: CRAG_API_KEYS_FILE, else CRAG_API_KEY
+
+
+def api_keys(options: ServeOptions) -> Any:
+    """The server's keys: ``--api-keys``, else the file ``CRAG_API_KEYS_FILE`` names, else ``CRAG_API_KEY`` as one
+    key with no scope, else None (open); a file that cannot be used is a ``KeysFileError`` saying why."""
+    from llama_index_crag.server.keys import KEY_ENV, KEYS_FILE_ENV, server_keys
+
+    return server_keys(options.api_keys_file or os.environ.get(KEYS_FILE_ENV) or None, os.environ.get(KEY_ENV) or None)
 
 
 def worker_threads(options: ServeOptions) -> int:
@@ -79,7 +94,8 @@ def build_llm(options: ServeOptions, threads: Optional[int] = None) -> Tuple[Any
 
     url = options.ollama_url or DEFAULT_OLLAMA_URL
     if options.llm == "none":
-        return None, Generator("none (answers quote the graded passages; rewrites use the question's keywords)")
+        said = "none (answers quote the graded passages; rewrites use the question's keywords)"
+        return None, Generator(said, label="none (quoted answers)")
     if options.llm == "ollama":
         from llama_index.llms.ollama import Ollama
 
@@ -91,7 +107,7 @@ def build_llm(options: ServeOptions, threads: Optional[int] = None) -> Tuple[Any
                 return True, f"Ollama at {url} lists {model}"
             return False, f"no Ollama model {model} answers at {url}"
 
-        return llm, Generator(f"Ollama model {model} at {url}", probe)
+        return llm, Generator(f"Ollama model {model} at {url}", probe, label=f"Ollama {model}")
     if options.llm == "llamacpp":
         from llama_index_crag.local.bundled import bundled_gguf_path
         from llama_index_crag.local.llamacpp import BundledLlamaCPP
@@ -101,10 +117,14 @@ def build_llm(options: ServeOptions, threads: Optional[int] = None) -> Tuple[Any
         require_generation(path)
         local = BundledLlamaCPP(model_path=path, n_threads=threads)
         count = local.model_kwargs["n_threads"]
-        return local, Generator(f"llama.cpp in process with {path}, {count} thread{'' if count == 1 else 's'}")
+        described = f"llama.cpp in process with {path}, {count} thread{'' if count == 1 else 's'}"
+        return local, Generator(described, label=f"llama.cpp {Path(path).name}")
     if options.llm == "auto":
-        found, described = default_llm(url, options.model or DEFAULT_OLLAMA_MODEL, gguf=options.gguf, n_threads=threads)
-        return found, Generator(described)
+        model = options.model or DEFAULT_OLLAMA_MODEL
+        found, described = default_llm(url, model, gguf=options.gguf, n_threads=threads)
+        local_path = getattr(found, "model_path", None)  # LlamaIndex's LlamaCPP keeps the file it loaded
+        label = f"llama.cpp {Path(str(local_path)).name}" if local_path else f"Ollama {model}"
+        return found, Generator(described, label=label)
     raise ValueError(f"unknown --llm {options.llm!r}: use auto, ollama, llamacpp or none")
 
 
@@ -115,6 +135,7 @@ def build_app(options: ServeOptions) -> Any:
     from llama_index_crag.server.service import ServerConfig
     from llama_index_crag.stores.folder import load_index
 
+    keys = api_keys(options)
     threads = worker_threads(options)
     use_threads(threads, options)
     llm, generator = build_llm(options, threads)  # None: the engine quotes the passages instead of generating
@@ -133,13 +154,26 @@ def build_app(options: ServeOptions) -> Any:
         engine = load_engine(loaded, llm, **settings)
         described = loaded.describe()
     config = ServerConfig(
-        api_key=os.environ.get("CRAG_API_KEY") or None,
+        api_keys=keys,
         max_body_bytes=options.max_body_bytes,
         query_timeout_s=options.query_timeout_s,
         cors_origins=list(options.cors_origins),
         rate_window_s=options.rate_window_s,
     )
+    _log_to_stderr(options.log_level)
     return create_app(engine, config, generator, described)
+
+
+def _log_to_stderr(level: str) -> None:
+    """The server's own log lines (each query's id, caller name and action; crashes) on stderr beside uvicorn's,
+    at its log level; a program that embeds ``create_app`` configures logging itself."""
+    logger = logging.getLogger("llama_index_crag.server")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.DEBUG if level == "trace" else level.upper())
 
 
 def app_factory() -> Any:
@@ -157,6 +191,7 @@ def serve(options: ServeOptions) -> None:
     from llama_index_crag.stores.folder import load_index
 
     worker_threads(options)  # a bad --threads is an error now rather than in every worker
+    api_keys(options)  # and a keys file that cannot be used
     if options.store:  # a clear error now rather than in every worker
         from llama_index_crag.stores.postgres import PostgresStore
 

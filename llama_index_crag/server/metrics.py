@@ -79,7 +79,10 @@ _RATES = {
 WINDOW_SECONDS = Gauge("crag_rate_window_seconds", "Length of the rate window.", multiprocess_mode="max")
 
 #: Routes counted by their own name; anything else (unknown paths, probes) as "other", so labels stay bounded.
-ROUTES = ("/", "/query", "/v1/chat/completions", "/metrics", "/healthz", "/recent")
+#: The caller (an API key's name) is never a label: a key's name is for the trace and the logs.
+ROUTES = ("/", "/query", "/v1/chat/completions", "/v1/models", "/metrics", "/healthz", "/recent", "/openapi.json")
+#: Routes with a parameter in their path, counted under their template.
+TEMPLATES = (("/static/", "/static"), ("/queries/", "/queries"), ("/v1/models/", "/v1/models/{id}"))
 
 _install_lock = threading.Lock()
 
@@ -122,11 +125,7 @@ class ServerMetrics:
         WINDOW_SECONDS.set(window_s)
 
     def request(self, path: str, status: int, seconds: float) -> None:
-        route = (
-            path
-            if path in ROUTES
-            else ("/static" if path.startswith("/static/") else "/queries" if path.startswith("/queries/") else "other")
-        )
+        route = path if path in ROUTES else next((t for p, t in TEMPLATES if path.startswith(p)), "other")
         REQUESTS.labels(route=route, status=str(status)).inc()
         REQUEST_SECONDS.labels(route=route).observe(seconds)
 

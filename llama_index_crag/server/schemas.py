@@ -16,6 +16,11 @@ class QueryRequest(BaseModel):
     query: StrictStr = Field(description="The question.")
     explain: StrictBool = Field(default=False, description="Add the scorer's explanation of each grade.")
     stream: StrictBool = Field(default=False, description="Answer as server-sent events.")
+    filters: Optional[Dict[str, Any]] = Field(
+        default=None,
+        description="Metadata filters that narrow the key's scope (never widen it): the {key: value} shorthand "
+        "(a list value: one of) or LlamaIndex MetadataFilters JSON.",
+    )
 
 
 class ChatMessage(BaseModel):
@@ -30,6 +35,10 @@ class ChatRequest(BaseModel):
     model: Optional[StrictStr] = None
     messages: List[ChatMessage] = Field(min_length=1)
     stream: StrictBool = False
+    filters: Optional[Dict[str, Any]] = Field(
+        default=None, description="As POST /query's filters: narrows the key's scope (an extra field to OpenAI)."
+    )
+    metadata: Optional[Any] = Field(default=None, description="OpenAI's metadata: accepted, not read.")
 
 
 # --- answers ----------------------------------------------------------------------------------------------------
@@ -75,13 +84,14 @@ class RecentQuery(BaseModel):
 
 
 class RecentQueries(BaseModel):
-    """``GET /recent``: this worker's last answers, newest first."""
+    """``GET /recent``: the caller's last answers on this worker, newest first."""
 
     queries: List[RecentQuery]
 
 
 class GeneratorHealth(BaseModel):
-    name: str
+    name: str = Field(description="What generates, in a sentence.")
+    label: str = Field(description="The same in a few words, for the console's header.")
     ready: bool
     detail: str
 
@@ -124,7 +134,8 @@ class ChatChoice(BaseModel):
 
 
 class Usage(BaseModel):
-    """Token counts: this server does not count them (always zero)."""
+    """Token counts of the question (prompt) and the answer (completion): with the generator's tokenizer when it is
+    llama.cpp in this process, else in words; the passages the engine put in the generator's prompt not counted."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -167,7 +178,7 @@ ERROR_RESPONSES: Dict[Union[int, str], Dict[str, Any]] = {
         (400, "An empty query, or one over the length limit."),
         (401, "The server has an API key and the request does not carry it."),
         (413, "The request body is over the limit."),
-        (422, "A body that is not JSON, or fields of the wrong type or name."),
+        (422, "A body that is not JSON, fields of the wrong type or name, or malformed filters."),
         (503, "The generator or the store cannot be reached."),
         (504, "The query ran past its time budget."),
     )

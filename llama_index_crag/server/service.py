@@ -1,8 +1,14 @@
-"""What the routes share: the server's settings, and the service that runs queries and remembers the recent ones."""
+"""What the routes share: the server's settings, and the service that runs queries and remembers the recent ones.
+
+Each query runs on the engine narrowed to its caller's scope (the key's filters, narrowed again by the
+request's own), and is remembered for that caller only: ``/recent`` and ``/queries/{id}`` show a caller
+its own queries. Callers are told apart by their key's name; a server without keys has one caller.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -17,8 +23,10 @@ from starlette.concurrency import iterate_in_threadpool
 
 from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.core.fallback import SOURCE_KEY
-from llama_index_crag.errors import GenerationError, InvalidQueryError, RetrievalUnavailableError
+from llama_index_crag.errors import GenerationError, InvalidQueryError, RetrievalUnavailableError, ScopeError
+from llama_index_crag.scope import Scope
 from llama_index_crag.server.errors import ApiError
+from llama_index_crag.server.keys import ApiKeys, Caller, KeysFileError
 from llama_index_crag.server.metrics import ServerMetrics
 from llama_index_crag.server.schemas import QueryResult, RecentQuery, Source
 from llama_index_crag.text.cleaning import clean_text, is_blank
@@ -26,13 +34,19 @@ from llama_index_crag.text.cleaning import clean_text, is_blank
 #: Characters of a source's text returned as its excerpt.
 EXCERPT_CHARS = 600
 _END = object()
+log = logging.getLogger("llama_index_crag.server")
 
 
 @dataclass
 class ServerConfig:
-    """The server's limits and options (the CLI's flags)."""
+    """The server's limits and options (the CLI's flags).
+
+    ``api_key`` is one key with no scope (``CRAG_API_KEY``); ``api_keys`` the keys of a keys file, each with its
+    caller's name and scope (``keys.load_api_keys``). Neither: the server is open. Both: refused.
+    """
 
     api_key: Optional[str] = None
+    api_keys: Optional[ApiKeys] = None
     max_body_bytes: int = 64 * 1024
     query_timeout_s: float = 120.0
     cors_origins: List[str] = field(default_factory=list)
@@ -41,12 +55,38 @@ class ServerConfig:
     model_name: str = "llama-index-crag"
 
 
+def words(text: str) -> int:
+    """A count of ``text``'s tokens where no tokenizer is at hand: its words."""
+    return len(text.split())
+
+
 @dataclass
 class Generator:
-    """The generator as the health check reports it: a name and a probe saying whether it is ready."""
+    """The generator as the health check reports it: what it is, a probe saying whether it is ready, a short
+    ``label`` for the console's header (default: the name), and how to count its tokens (default: the engine's
+    LLM's tokenizer when it has one, else words; see ``token_counter``)."""
 
     name: str
     probe: Callable[[], Tuple[bool, str]] = lambda: (True, "loaded")
+    label: str = ""
+    tokens: Optional[Callable[[str], int]] = None
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.name
+
+
+def token_counter(llm: Any) -> Tuple[Callable[[str], int], str]:
+    """How to count tokens of ``llm``'s text, and what that count is: a llama.cpp model in this process counts
+    with its own tokenizer; any other generator (Ollama, none) in words, as no tokenizer of it is at hand here."""
+    model = getattr(llm, "_model", None)
+    tokenize = getattr(model, "tokenize", None)
+    if callable(tokenize) and type(model).__module__.startswith("llama_cpp"):
+
+        def count(text: str) -> int:
+            return len(tokenize(text.encode("utf-8", "replace"), add_bos=False, special=False)) if text else 0
+
+        return count, "tokens"
+    return words, "words"
 
 
 class QueryService:
@@ -67,15 +107,57 @@ class QueryService:
         self.engine, self.config, self.metrics, self.generator = engine, config, metrics, generator
         #: What ``/healthz`` says of the loaded index.
         self.index_info = index_info
+        if config.api_key and config.api_keys is not None:
+            raise KeysFileError(
+                f"both {config.api_keys.source} and an API key without scope are given: put the unscoped key into "
+                "the keys file as an entry without filters"
+            )
+        #: The server's keys (None: open to anyone, reading everything).
+        self.keys: Optional[ApiKeys] = config.api_keys or (ApiKeys.single(config.api_key) if config.api_key else None)
+        counted = generator.tokens
+        if counted is None:
+            counted, _ = token_counter(getattr(engine.synthesizer, "_llm", None))
+        #: Counts the tokens of a question or an answer for the chat route's ``usage``.
+        self.count_tokens: Callable[[str], int] = counted
         self._variants: Dict[Tuple[bool, bool], CorrectiveQueryEngine] = {}
-        self.recent: Deque[RecentQuery] = deque(maxlen=config.recent)
-        self.results: OrderedDict[str, QueryResult] = OrderedDict()
+        #: Each caller's recent queries (newest first) and their whole results, by the key's name.
+        self._recent: Dict[Optional[str], Deque[RecentQuery]] = {}
+        self._results: Dict[Optional[str], OrderedDict[str, QueryResult]] = {}
+        for caller in self.keys.callers if self.keys is not None else ():
+            try:  # a key's scope the engine cannot apply is refused now, not at its first query
+                self.scoped(caller.scope, stream=False, explain=False)
+            except ScopeError as exc:
+                raise KeysFileError(f"the filters of the key named {caller.name!r} cannot be used: {exc}") from exc
 
     def variant(self, stream: bool, explain: bool) -> CorrectiveQueryEngine:
         key = (stream, explain)
         if key not in self._variants:
             self._variants[key] = self.engine.variant(streaming=stream, explain=explain)
         return self._variants[key]
+
+    def scoped(self, scope: Scope, stream: bool, explain: bool) -> CorrectiveQueryEngine:
+        """The engine that answers within ``scope`` (the engine keeps its scoped variants; see its ``scoped``)."""
+        engine = self.variant(stream, explain)
+        return engine.scoped(scope) if scope.bounded else engine
+
+    @staticmethod
+    def scope(caller: Caller, filters: Any) -> Scope:
+        """The caller's scope narrowed by a request's ``filters`` (never widened), or a 422 naming the field."""
+        if filters is None:
+            return caller.scope
+        try:
+            return caller.scope.narrow(filters)
+        except ScopeError as exc:
+            said = str(exc)
+            raise ApiError(422, "invalid_filters", said if said.startswith("filters") else f"filters: {said}") from exc
+
+    def recent(self, caller: Caller) -> List[RecentQuery]:
+        """The caller's last queries on this worker, newest first."""
+        return list(self._recent.get(caller.name, ()))
+
+    def past(self, caller: Caller, query_id: str) -> Optional[QueryResult]:
+        """One of the caller's recent results (None for another caller's, as for an unknown id)."""
+        return self._results.get(caller.name, OrderedDict()).get(query_id)
 
     def check(self, query: Any, where: str = "the 'query' field") -> str:
         """The query as the engine takes it (``clean_text``), or a 400 that says what is wrong and where."""
@@ -95,11 +177,14 @@ class QueryService:
         """When a query that starts now runs out of its budget (``time.monotonic()`` seconds)."""
         return time.monotonic() + self.config.query_timeout_s
 
-    async def run(self, query: str, explain: bool, stream: bool, deadline: float) -> RESPONSE_TYPE:
-        """The engine's response (streaming or not), or an ``ApiError``."""
-        engine = self.variant(stream, explain)
+    async def run(self, query: str, explain: bool, stream: bool, deadline: float, scope: Scope) -> RESPONSE_TYPE:
+        """The engine's response (streaming or not) within ``scope``, or an ``ApiError``."""
         try:
+            engine = self.scoped(scope, stream, explain)
             return await asyncio.wait_for(engine.aquery(query), max(0.0, deadline - time.monotonic()))
+        except ScopeError as exc:  # filters the index cannot apply: refused, never searched around
+            said = str(exc)
+            raise ApiError(422, "invalid_filters", said if said.startswith("filters") else f"filters: {said}") from exc
         except asyncio.TimeoutError:
             raise self._timeout() from None
         except InvalidQueryError as exc:
@@ -147,9 +232,12 @@ class QueryService:
         finally:
             await tokens.aclose()
 
-    def record(self, query: str, answer: str, response: RESPONSE_TYPE, started: float) -> QueryResult:
-        """The result of an answered query; remembered for ``/recent`` and counted in the metrics."""
+    def record(self, caller: Caller, query: str, answer: str, response: RESPONSE_TYPE, started: float) -> QueryResult:
+        """The result of an answered query; remembered for the caller's ``/recent``, counted in the metrics (which
+        never name the caller) and logged with the caller's name (never its key)."""
         trace = dict(response.metadata["crag"])  # type: ignore[index]
+        if caller.name is not None:
+            trace["caller"] = caller.name
         elapsed = round((time.monotonic() - started) * 1000.0, 1)
         result = QueryResult(
             id=f"q-{uuid.uuid4().hex[:12]}",
@@ -165,7 +253,17 @@ class QueryService:
             crag=trace,
         )
         self.metrics.observe(trace, elapsed / 1000.0)
-        self.recent.appendleft(
+        log.info(
+            "query %s by %s: %s%s in %.0f ms",
+            result.id,
+            caller.name or "anyone",
+            result.action,
+            ", abstained" if result.abstained else "",
+            elapsed,
+        )
+        recent = self._recent.setdefault(caller.name, deque(maxlen=self.config.recent))
+        results = self._results.setdefault(caller.name, OrderedDict())
+        recent.appendleft(
             RecentQuery(
                 id=result.id,
                 created=result.created,
@@ -176,9 +274,9 @@ class QueryService:
                 top_score=trace.get("top_score"),
             )
         )
-        self.results[result.id] = result
-        while len(self.results) > self.config.recent:
-            self.results.popitem(last=False)
+        results[result.id] = result
+        while len(results) > self.config.recent:
+            results.popitem(last=False)
         return result
 
 

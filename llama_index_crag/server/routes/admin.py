@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from llama_index_crag.server.auth import require_api_key
+from llama_index_crag.server.auth import CallerOf, require_api_key
 from llama_index_crag.server.errors import ApiError
 from llama_index_crag.server.schemas import (
     ERROR_RESPONSES,
@@ -69,7 +69,7 @@ async def healthz(service: Service, response: Response) -> Health:
     return Health(
         status="ok" if ready else "unavailable",
         index=service.index_info or {"ready": True},
-        generator=GeneratorHealth(name=generator.name, ready=ready, detail=detail),
+        generator=GeneratorHealth(name=generator.name, label=generator.label, ready=ready, detail=detail),
         scorer=engine.grader.scorer.name,
         thresholds={"upper": engine.grader.upper, "lower": engine.grader.lower},
         threads=torch.get_num_threads(),
@@ -84,21 +84,22 @@ async def prometheus(service: Service) -> Response:
 
 
 @guarded.get("/recent", response_model=RecentQueries)
-async def recent(service: Service) -> RecentQueries:
-    """This worker's last answers, newest first (for the console)."""
-    return RecentQueries(queries=list(service.recent))
+async def recent(service: Service, caller: CallerOf) -> RecentQueries:
+    """The caller's last answers on this worker, newest first (for the console); another key's are not shown."""
+    return RecentQueries(queries=service.recent(caller))
 
 
 @guarded.get(
     "/queries/{query_id}",
     response_model=QueryResult,
-    responses={404: {"model": ErrorBody, "description": "Not among this worker's recent answers."}},
+    responses={404: {"model": ErrorBody, "description": "Not among the caller's recent answers on this worker."}},
 )
-async def past(query_id: str, service: Service) -> QueryResult:
-    """One of the recent answers, whole."""
-    if query_id not in service.results:
-        raise ApiError(404, "not_found", f"no recent query {query_id!r} on this worker")
-    return service.results[query_id]
+async def past(query_id: str, service: Service, caller: CallerOf) -> QueryResult:
+    """One of the caller's recent answers, whole (another key's is not found, as an unknown id is not)."""
+    found = service.past(caller, query_id)
+    if found is None:
+        raise ApiError(404, "not_found", f"no recent query {query_id!r} of yours on this worker")
+    return found
 
 
 @guarded.get("/openapi.json", include_in_schema=False)

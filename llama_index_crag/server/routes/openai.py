@@ -3,7 +3,10 @@
 
 The last user message is the question (the route is single-turn), an abstention is an
 ordinary assistant message, and the trace travels in the extra ``crag`` field beside
-``sources`` (in a stream, on the last chunk).
+``sources`` (in a stream, on the last chunk). An extra top-level ``filters`` field narrows the
+key's scope as ``POST /query``'s does (the SDK's ``extra_body``); ``metadata`` is OpenAI's map of
+strings, so filters there are refused rather than ignored. ``usage`` counts the question and the
+answer (``QueryService.count_tokens``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 from fastapi import APIRouter, Depends
 from sse_starlette import EventSourceResponse
 
-from llama_index_crag.server.auth import require_api_key
+from llama_index_crag.server.auth import CallerOf, require_api_key
 from llama_index_crag.server.errors import ApiError
 from llama_index_crag.server.schemas import (
     ERROR_RESPONSES,
@@ -26,6 +29,7 @@ from llama_index_crag.server.schemas import (
     ChatRequest,
     Model,
     ModelList,
+    Usage,
 )
 from llama_index_crag.server.service import Service, answer_text
 
@@ -59,22 +63,31 @@ def chat_query(request: ChatRequest) -> str:
         200: {"content": {"text/event-stream": {}}, "description": "With stream: the chunks."},
     },
 )
-async def chat(body: ChatRequest, service: Service) -> Any:
-    """Answer the last user message as a chat completion, streamed or not."""
+async def chat(body: ChatRequest, service: Service, caller: CallerOf) -> Any:
+    """Answer the last user message as a chat completion within the caller's scope, streamed or not."""
+    if isinstance(body.metadata, dict) and "filters" in body.metadata:
+        raise ApiError(
+            422,
+            "invalid_filters",
+            "metadata.filters: put filters at the top level of the request (extra_body={'filters': {...}} in "
+            "OpenAI's SDK); metadata is a map of strings and is not read",
+        )
+    scope = service.scope(caller, body.filters)
     text = service.check(chat_query(body), "the last user message")
     started = time.monotonic()
     deadline = service.deadline()
-    response = await service.run(text, False, body.stream, deadline)
+    response = await service.run(text, False, body.stream, deadline, scope)
     completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     model = service.config.model_name
     if not body.stream:
-        result = service.record(text, answer_text(response), response, started)
+        result = service.record(caller, text, answer_text(response), response, started)
         return ChatCompletion(
             id=completion_id,
             created=created,
             model=model,
             choices=[ChatChoice(message=AssistantMessage(content=result.answer))],
+            usage=usage(service, text, result.answer),
             crag=result.crag,
             sources=result.sources,
         )
@@ -95,12 +108,19 @@ async def chat(body: ChatRequest, service: Service) -> Any:
         except Exception as exc:
             yield {"data": json.dumps(ApiError.mid_stream(exc).body())}
             return
-        result = service.record(text, "".join(parts), response, started)
+        result = service.record(caller, text, "".join(parts), response, started)
         sources = [s.model_dump() for s in result.sources]
-        yield chunk({}, "stop", crag=result.crag, sources=sources)
+        counted = usage(service, text, result.answer).model_dump()
+        yield chunk({}, "stop", usage=counted, crag=result.crag, sources=sources)
         yield {"data": "[DONE]"}
 
     return EventSourceResponse(chunks())
+
+
+def usage(service: Any, question: str, answer: str) -> Usage:
+    """The question's and the answer's token counts (the passages the engine gave the generator are not counted)."""
+    prompt, completion = service.count_tokens(question), service.count_tokens(answer)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 @router.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})

@@ -1,4 +1,7 @@
-"""``POST /query``: the answer, its sources and the whole decision trace, as JSON or as server-sent events."""
+"""``POST /query``: the answer, its sources and the whole decision trace, as JSON or as server-sent events.
+
+The query runs within the caller's scope (its key's filters), narrowed by the request's ``filters``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Any, AsyncIterator, Dict, List, Union
 from fastapi import APIRouter, Depends
 from sse_starlette import EventSourceResponse
 
-from llama_index_crag.server.auth import require_api_key
+from llama_index_crag.server.auth import CallerOf, require_api_key
 from llama_index_crag.server.errors import ApiError
 from llama_index_crag.server.schemas import ERROR_RESPONSES, QueryRequest, QueryResult
 from llama_index_crag.server.service import Service, answer_text
@@ -25,14 +28,15 @@ STREAMED: Dict[Union[int, str], Dict[str, Any]] = {
 
 
 @router.post("/query", response_model=QueryResult, responses={**ERROR_RESPONSES, **STREAMED})
-async def query(body: QueryRequest, service: Service) -> Any:
-    """Answer one question; with ``stream``, tokens first and the result last."""
+async def query(body: QueryRequest, service: Service, caller: CallerOf) -> Any:
+    """Answer one question within the caller's scope; with ``stream``, tokens first and the result last."""
+    scope = service.scope(caller, body.filters)
     text = service.check(body.query)
     started = time.monotonic()
     deadline = service.deadline()
-    response = await service.run(text, body.explain, body.stream, deadline)
+    response = await service.run(text, body.explain, body.stream, deadline, scope)
     if not body.stream:
-        return service.record(text, answer_text(response), response, started)
+        return service.record(caller, text, answer_text(response), response, started)
     tokens, first = await service.first_token(response, deadline)
 
     async def events() -> AsyncIterator[Dict[str, Any]]:
@@ -44,7 +48,7 @@ async def query(body: QueryRequest, service: Service) -> Any:
         except Exception as exc:
             yield {"event": "error", "data": json.dumps(ApiError.mid_stream(exc).body()["error"])}
             return
-        result = service.record(text, "".join(parts), response, started)
+        result = service.record(caller, text, "".join(parts), response, started)
         yield {"event": "result", "data": result.model_dump_json()}
 
     return EventSourceResponse(events())
