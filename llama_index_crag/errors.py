@@ -19,6 +19,10 @@ class ConfigError(CragError, ValueError):
     """A setting, environment variable or calibration file that cannot be used; the message names it."""
 
 
+class ScopeError(ConfigError):
+    """A scope (metadata filters) that is malformed, or that a retriever or store cannot apply; never ignored."""
+
+
 class DatasetError(CragError, ValueError):
     """A dataset, corpus or labelled-pairs file that cannot be used: malformed, or lacking what the job needs
     (answerable and unanswerable questions, positive and negative pairs); the message names the file."""

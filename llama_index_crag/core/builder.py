@@ -8,6 +8,7 @@ rewriter the loop uses. ``CorrectiveQueryEngine.from_defaults`` adds the answer 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Type, Union
 
@@ -25,6 +26,7 @@ from llama_index_crag.core.grader import RelevanceGrader
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
+from llama_index_crag.scope import UNBOUNDED, Scope, ScopeLike, retriever_scope, scoped_retriever
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.registry import default_scorer
 from llama_index_crag.settings_sources import read_calibration
@@ -34,6 +36,8 @@ from llama_index_crag.web.settings import WebSearchSettings
 
 if TYPE_CHECKING:
     from llama_index_crag.core.retriever import CorrectiveRetriever
+
+logger = logging.getLogger(__name__)
 
 
 def corrective_retriever(
@@ -51,6 +55,7 @@ def corrective_retriever(
     calibration_path: Optional[str] = None,
     callback_manager: Optional[CallbackManager] = None,
     vector_store: Optional[Any] = None,
+    filters: ScopeLike = None,
     **settings: Any,
 ) -> CorrectiveRetriever:
     """Build the corrective retriever around what the user already has.
@@ -68,11 +73,22 @@ def corrective_retriever(
     of ``CragSettings`` (``upper``, ``lower``, ``max_rewrites``, ``enabled`` ...)
     may be passed; it wins over ``CRAG_*`` variables and the calibration file.
 
+    ``filters`` (LlamaIndex ``MetadataFilters``, their JSON, or ``{"tenant": "acme"}``) bound every
+    path that retrieves: the primary retriever, BM25, sentence windows, the rewrite's search and
+    hybrid search only see nodes whose metadata match, and every candidate is checked against them
+    (``docs/scope.md``). A given ``retriever=``'s own filters are read and kept. Where a given
+    retriever's scope cannot be read (a custom retriever) and no ``filters=`` are given, the
+    fallback searches back through that retriever only, never the index around it.
+
     ``web`` turns on the web-search source of the fallback (off by default): ``True``,
     a dict of ``WebSearchSettings`` fields, or the settings themselves; ``CRAG_WEB=on``
     and ``CRAG_WEB_*`` variables do the same, and ``CRAG_WEB_FORBIDDEN=true`` forbids
     sending anything whatever the code says.
     """
+    scope = Scope.of(filters)
+    unknown = set(settings) - set(CragSettings.model_fields)
+    if unknown:
+        raise TypeError(f"unknown settings {sorted(unknown)}; see CragSettings for the names")
     if vector_store is not None:  # a PostgreSQL store: the whole loop reads it (llama_index_crag.stores.postgres)
         from llama_index_crag.core.store_parts import store_parts
 
@@ -83,20 +99,33 @@ def corrective_retriever(
             settings=settings,
             calibration_path=calibration_path,
             postprocessors=node_postprocessors,
+            retriever=retriever,
+            scope=scope,
         )
         retriever, fallback, scorer = parts.retriever, parts.fallback, parts.scorer
         embed_model, node_postprocessors = parts.embed_model, parts.postprocessors
     llm = llm or settings_llm()
     callback_manager = callback_manager or Settings.callback_manager  # every part reports to the same handlers
-    unknown = set(settings) - set(CragSettings.model_fields)
-    if unknown:
-        raise TypeError(f"unknown settings {sorted(unknown)}; see CragSettings for the names")
     if nodes is not None:
         nodes = [clean_node(n) for n in nodes]  # text every tokenizer and codec takes (a lone surrogate is refused)
     elif index is not None:
         nodes = list(index.docstore.docs.values())
+    given_scope = UNBOUNDED if retriever is None else retriever_scope(retriever)
+    if given_scope is not None:
+        scope = given_scope.narrow(scope)
+    if nodes is not None and given_scope is None and not scope.bounded:
+        # A retriever whose scope cannot be read: searching the nodes around it could return what it never would.
+        logger.warning(
+            "the scope of %s cannot be read: the fallback searches back through it only; pass filters= "
+            "(the same as the retriever's) to add BM25 and sentence windows inside that scope",
+            type(retriever).__name__,
+        )
+        nodes = None
+    in_scope = None if nodes is None else scope.keep(nodes)
     if scorer is None:
-        corpus = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes or []]
+        # Word statistics come from the scope's own nodes when it is known here; a scope narrowed per request
+        # (``scoped``) keeps these: document frequencies of words, no text (docs/scope.md).
+        corpus = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in in_scope or []]
         scorer = default_scorer(embed_model, corpus or None)
     calibration_path = calibration_path or os.environ.get("CRAG_CALIBRATION")
     if calibration_path:
@@ -110,21 +139,29 @@ def corrective_retriever(
         scorer_defaults=scorer.default_thresholds,
     )
     if index is None and retriever is None:
-        if nodes is None:
+        if in_scope is None:
             raise ValueError("give the engine something to search: index=, retriever= or nodes=")
         from llama_index.core import VectorStoreIndex
 
         from llama_index_crag.local.models import settings_or_default_embed_model
 
-        index = VectorStoreIndex(list(nodes), embed_model=embed_model or settings_or_default_embed_model())
+        index = VectorStoreIndex(list(in_scope), embed_model=embed_model or settings_or_default_embed_model())
     if retriever is None:
         assert index is not None
         retriever = index.as_retriever(similarity_top_k=resolved.similarity_top_k)  # with the index's callback manager
+    if given_scope is not None and scope.key != given_scope.key:
+        retriever = scoped_retriever(retriever, scope)  # a copy of the given one, narrowed: never replaced
+    elif given_scope is None and scope.bounded:
+        logger.warning(
+            "%s cannot be narrowed to filters=: its results are checked against them, so build it with the same "
+            "filters or it may find too few passages inside the scope",
+            type(retriever).__name__,
+        )
     web_settings = WebSearchSettings.resolve(web)
     if fallback is None:
-        if nodes and any(n.get_content().strip() for n in nodes):
+        if in_scope and any(n.get_content().strip() for n in in_scope):
             fallback = FallbackRetriever.from_nodes(
-                nodes,
+                in_scope,
                 sources=fallback_sources,
                 similarity_top_k=resolved.similarity_top_k,
                 embed_model=embed_model,
@@ -134,6 +171,8 @@ def corrective_retriever(
             fallback = FallbackRetriever(
                 {"primary": retriever}, similarity_top_k=resolved.similarity_top_k, callback_manager=callback_manager
             )
+    elif vector_store is None:
+        fallback = scoped_retriever(fallback, scope)  # a given fallback is narrowed too, or the build stops
     if web_settings.enabled:
         fallback = FallbackRetriever.with_web(
             fallback,
@@ -163,6 +202,7 @@ def corrective_retriever(
         settings=resolved,
         node_postprocessors=node_postprocessors,
         callback_manager=callback_manager,
+        scope=scope,
     )
 
 

@@ -17,13 +17,14 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.sources import shown
 from llama_index_crag.core.driver import Io, bind, left
-from llama_index_crag.core.fallback import SOURCE_KEY, FallbackRetriever
+from llama_index_crag.core.fallback import OUTSIDE_SCOPE_KEY, SOURCE_KEY, FallbackRetriever
 from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace, NodeGrade, step_span
 from llama_index_crag.errors import CorrectiveTimeout, RewriteError
+from llama_index_crag.scope import Scope
 from llama_index_crag.text.cleaning import clean_nodes
 from llama_index_crag.web.retriever import WebSearchRetriever, collect_web_reports
 
@@ -36,6 +37,7 @@ class CorrectionSteps:
     _fallback: Optional[BaseRetriever]
     _rewriter: Optional[QueryRewriter]
     _postprocessors: List[BaseNodePostprocessor]
+    _scope: Scope
     settings: CragSettings
 
     def _refine(
@@ -165,7 +167,7 @@ class CorrectionSteps:
             try:
                 with trace.timed("fallback"), step_span("fallback") as span:
                     hits = yield Io(bind(fallback.retrieve, search), bind(fallback.aretrieve, search), left(deadline))
-                    hits = clean_nodes(hits)
+                    hits = self._in_scope(clean_nodes(hits))
                     span.outcome = "hits" if hits else "empty"
                     span.sizes["hits"] = len(hits)
             finally:
@@ -183,6 +185,16 @@ class CorrectionSteps:
         if grading.verdict is Verdict.INCORRECT:
             return []
         return not_incorrect(hits, grading)
+
+    def _in_scope(self, hits: List[NodeWithScore]) -> List[NodeWithScore]:
+        """The fallback's hits inside the caller's scope; the web's (marked by ``FallbackRetriever``, which
+        strips the mark from every other source) are outside every document scope and kept."""
+        if not self._scope.bounded:
+            return hits
+        tags = isinstance(self._fallback, FallbackRetriever)
+        return [
+            h for h in hits if (tags and h.node.metadata.get(OUTSIDE_SCOPE_KEY) is True) or self._scope.admits_node(h)
+        ]
 
 
 def _searches_web(retriever: BaseRetriever) -> bool:

@@ -32,6 +32,7 @@ from llama_index_crag.core.retriever import CorrectiveRetriever
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace
 from llama_index_crag.errors import ConfigError
+from llama_index_crag.scope import Scope, ScopeCache, ScopeLike
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.web.settings import WebSearchSettings
 
@@ -97,6 +98,7 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
         self._checker = GroundednessChecker(
             grader.scorer, use_scorer=settings.check_with_grader, strip_min_tokens=refiner.strip_min_tokens
         )
+        self._scoped = ScopeCache()
         super().__init__(callback_manager=callback_manager or response_synthesizer.callback_manager)
 
     @classmethod
@@ -118,9 +120,13 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
         calibration_path: Optional[str] = None,
         callback_manager: Optional[CallbackManager] = None,
         vector_store: Optional[Any] = None,
+        filters: ScopeLike = None,
         **settings: Any,
     ) -> CorrectiveQueryEngine:
         """Build the engine around what the user already has: its ``CorrectiveRetriever`` and its answer step.
+
+        ``filters`` bound what every path of the loop may read (``docs/scope.md``); ``scoped``
+        narrows a built engine further, per caller.
 
         Every argument but ``response_synthesizer``, ``response_mode`` and ``streaming`` (the
         answer step's) builds the corrective retriever, as ``CorrectiveRetriever.from_defaults`` says.
@@ -140,6 +146,7 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
             calibration_path=calibration_path,
             callback_manager=callback_manager,
             vector_store=vector_store,
+            filters=filters,
             **settings,
         )
         if not corrective.settings.enabled and llm is None and response_synthesizer is None:
@@ -166,6 +173,30 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
             synthesizer = copy.copy(synthesizer)
             synthesizer._streaming = streaming  # type: ignore[attr-defined]
         return type(self)(self._retriever.variant(explain=explain), synthesizer, self.callback_manager)
+
+    @property
+    def scope(self) -> Scope:
+        """What this engine's caller may read (``Scope``; unbounded when no filters were given)."""
+        return self._retriever.scope
+
+    def scoped(self, filters: ScopeLike) -> CorrectiveQueryEngine:
+        """This engine narrowed to ``filters`` as well, for one caller (a server's key, a request's filters).
+
+        The engine returned shares every model, index, cache and answer step with this one; it
+        can only narrow the scope, never widen it, and is built once per scope, so that serving
+        many callers costs a lookup. Safe to use from concurrent tasks: nothing is mutated. Raises
+        ``ScopeError`` for malformed filters, or where a retriever cannot be narrowed.
+        """
+        retriever = self._retriever.scoped(filters)
+        if retriever is self._retriever:
+            return self
+
+        def build() -> CorrectiveQueryEngine:
+            other = copy.copy(self)
+            other._retriever = retriever
+            return other
+
+        return self._scoped.get(retriever.scope, build)  # type: ignore[no-any-return]
 
     @property
     def settings(self) -> CragSettings:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import TYPE_CHECKING, Dict, List, Literal, Mapping, Optional, Sequence
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -10,10 +11,15 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
+from llama_index_crag.scope import Scope, scoped_retriever
+
 if TYPE_CHECKING:
     from llama_index_crag.web.retriever import WebSearchRetriever
 
 SOURCE_KEY = "crag_source"
+#: Metadata key set (True) on hits of a source outside every document scope (the opt-in web), and removed from
+#: every other hit, so that no stored metadata can claim it.
+OUTSIDE_SCOPE_KEY = "crag_outside_scope"
 Mode = Literal["chain", "first"]
 
 
@@ -24,6 +30,8 @@ class FallbackRetriever(BaseRetriever):
     (first occurrence of a passage wins); ``mode="first"`` stops at the first source
     that returns anything. Each result's metadata gets ``crag_source`` (hidden from the
     LLM and the embedder) so traces and answers can say where a passage came from.
+    ``scoped`` narrows every document source to a scope (the web, outside every document
+    scope, is asked as it is; its hits are marked ``crag_outside_scope``).
 
     Args:
         retrievers: Source name to retriever, asked in this order.
@@ -115,10 +123,19 @@ class FallbackRetriever(BaseRetriever):
     def class_name(cls) -> str:
         return "FallbackRetriever"
 
+    def scoped(self, scope: Scope) -> FallbackRetriever:
+        """This fallback with every source narrowed to ``scope`` (``scope.scoped_retriever``; a ``ScopeError``
+        for a source that cannot be narrowed), sharing their indexes and models."""
+        other = copy.copy(self)
+        other.retrievers = {
+            name: r if _outside_scope(r) else scoped_retriever(r, scope) for name, r in self.retrievers.items()
+        }
+        return other
+
     def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
         batches: List[List[NodeWithScore]] = []
         for name, retriever in self.retrievers.items():
-            batches.append(_tag(name, retriever.retrieve(query_bundle)))
+            batches.append(_tag(name, retriever.retrieve(query_bundle), _outside_scope(retriever)))
             if self.mode == "first" and batches[-1]:
                 break
         return self._merge(batches)
@@ -126,12 +143,14 @@ class FallbackRetriever(BaseRetriever):
     async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
         if self.mode == "first":
             for name, retriever in self.retrievers.items():
-                found = _tag(name, await retriever.aretrieve(query_bundle))
+                found = _tag(name, await retriever.aretrieve(query_bundle), _outside_scope(retriever))
                 if found:
                     return self._merge([found])
             return []
         results = await asyncio.gather(*(r.aretrieve(query_bundle) for r in self.retrievers.values()))
-        return self._merge([_tag(name, found) for name, found in zip(self.retrievers, results)])
+        return self._merge(
+            [_tag(name, found, _outside_scope(r)) for (name, r), found in zip(self.retrievers.items(), results)]
+        )
 
     def _merge(self, batches: List[List[NodeWithScore]]) -> List[NodeWithScore]:
         """Interleave the sources' results rank by rank, so each source is heard, dropping repeats."""
@@ -147,13 +166,24 @@ class FallbackRetriever(BaseRetriever):
         return merged[: self.similarity_top_k]
 
 
-def _tag(source: str, hits: List[NodeWithScore]) -> List[NodeWithScore]:
+def _outside_scope(retriever: BaseRetriever) -> bool:
+    """Whether ``retriever`` searches outside every document scope (the web source)."""
+    from llama_index_crag.web.retriever import WebSearchRetriever
+
+    return isinstance(retriever, WebSearchRetriever)
+
+
+def _tag(source: str, hits: List[NodeWithScore], outside_scope: bool = False) -> List[NodeWithScore]:
     tagged = []
     for hit in hits:
         node = hit.node.model_copy(deep=True)
         node.metadata[SOURCE_KEY] = source
+        node.metadata.pop(OUTSIDE_SCOPE_KEY, None)
+        if outside_scope:
+            node.metadata[OUTSIDE_SCOPE_KEY] = True
         for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
-            if SOURCE_KEY not in excluded:
-                excluded.append(SOURCE_KEY)
+            for key in (SOURCE_KEY, OUTSIDE_SCOPE_KEY):
+                if key not in excluded:
+                    excluded.append(key)
         tagged.append(NodeWithScore(node=node, score=hit.score))
     return tagged

@@ -21,6 +21,7 @@ from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace, step_span
 from llama_index_crag.errors import InvalidQueryError
+from llama_index_crag.scope import UNBOUNDED, Scope, ScopeCache, ScopeLike, scoped_retriever
 from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
 from llama_index_crag.scorers.language import language_warning
 from llama_index_crag.text.cleaning import clean_nodes, clean_text, is_blank
@@ -56,6 +57,10 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
     why: never the rejected passages. Every node returned carries the call's decision
     trace in ``node.metadata["crag"]`` (hidden from the LLM and the embedder).
 
+    A ``scope`` (``filters=`` of ``from_defaults``, or ``scoped``) bounds every path: the
+    retrievers search inside it, and every candidate any of them returns is checked
+    against it before anything reads it (``docs/scope.md``).
+
     Args:
         retriever: The primary retriever (any LlamaIndex retriever).
         grader: Scores and bands the candidates.
@@ -66,6 +71,7 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
         node_postprocessors: Run after retrieval and before grading (e.g. a reranker
             whose scores the grader reuses).
         callback_manager: Receives the ``retrieve`` callback events (``Settings.callback_manager`` by default).
+        scope: What the caller may read; the retrievers given are expected to search inside it already.
     """
 
     def __init__(
@@ -78,7 +84,10 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
         settings: CragSettings,
         node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
         callback_manager: Optional[CallbackManager] = None,
+        scope: Optional[Scope] = None,
     ) -> None:
+        self._scope = scope or UNBOUNDED
+        self._scoped = ScopeCache()
         self._retriever = retriever
         self._grader = grader
         self._refiner = refiner
@@ -104,6 +113,31 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
             other._grader = self._grader.model_copy(update={"explain": explain})
             other.settings = other.settings.model_copy(update={"explain": explain})
         return other
+
+    @property
+    def scope(self) -> Scope:
+        """What this retriever's caller may read (``Scope``; unbounded when no filters were given)."""
+        return self._scope
+
+    def scoped(self, filters: ScopeLike) -> CorrectiveRetriever:
+        """This retriever narrowed to ``filters`` as well, for one caller: it shares every model, index and cache,
+        and can only narrow the scope, never widen it. Built once per scope (a lookup after that).
+
+        Raises ``ScopeError`` where the primary retriever or a fallback source cannot be narrowed.
+        """
+        scope = self._scope.narrow(filters)
+        if scope.key == self._scope.key:
+            return self
+
+        def build() -> CorrectiveRetriever:
+            other = copy.copy(self)
+            other._scope = scope
+            other._retriever = scoped_retriever(self._retriever, scope)
+            if self._fallback is not None:
+                other._fallback = scoped_retriever(self._fallback, scope)
+            return other
+
+        return self._scoped.get(scope, build)  # type: ignore[no-any-return]
 
     @property
     def retriever(self) -> BaseRetriever:
@@ -165,6 +199,10 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
                 lambda: self._retriever.retrieve(query_bundle), lambda: self._retriever.aretrieve(query_bundle)
             )
             nodes = clean_nodes(nodes)  # a retriever that does not embed can return text no tokenizer takes
+            nodes = self._scope.keep(nodes)  # a retriever that ignored the scope cannot widen it
+        if not nodes and self._scope.bounded:
+            trace.abstain(f"no passage inside the caller's scope matched ({self._scope.describe()})")
+            return Correction(query_bundle, [], trace)
         if s.enabled:
             reuse_retrieval_embeddings(self._grader.scorer, self._retriever, query_bundle, nodes)
         with trace.timed("rerank"):
