@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -28,7 +29,8 @@ from llama_index_crag import CorrectiveQueryEngine
 from llama_index_crag.core.persisted import load_engine
 from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.server.app import create_app
-from llama_index_crag.server.service import ServerConfig
+from llama_index_crag.server.keys import parse_api_keys
+from llama_index_crag.server.service import Generator, ServerConfig
 from llama_index_crag.stores.folder import ingest, load_index
 from tests.conftest import Answering
 from tests.live_server import LiveServer
@@ -51,6 +53,11 @@ MARKUP_QUERY = (
     # No figure of its own: a quoted answer must hold every figure the question names, and this one asks
     # about the page's snippet, not about these numbers.
     '<script>window.__pwned="query"</script><img src=x onerror="window.__pwned=\'image\'">'
+)
+#: What ``llama-crag serve --llm auto`` says of its generator without Ollama, and the label its header shows.
+GENERATOR = Generator(
+    "no Ollama model qwen2.5:3b at http://127.0.0.1:11434; using in-process llama.cpp with the bundled model.gguf",
+    label="llama.cpp model.gguf",
 )
 #: Seconds to wait for one answer: the bundled model on two slow cores, with a rewrite on the INCORRECT path.
 ANSWER_WAIT_S = 240
@@ -85,7 +92,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def server(engine: Any) -> Iterator[LiveServer]:
-    with LiveServer(create_app(engine)) as live:
+    with LiveServer(create_app(engine, generator=GENERATOR)) as live:
         yield live
 
 
@@ -144,6 +151,14 @@ def stored(server: LiveServer, query_id: str, key: Optional[str] = None) -> Dict
     response = httpx.get(f"{server.url}/queries/{query_id}", headers=headers, timeout=10)
     response.raise_for_status()
     return dict(response.json())
+
+
+def shown_answer(result: Dict[str, Any]) -> str:
+    """The answer as the page draws it: a quoted one without the engine's opening line (the answer mode says it)."""
+    answer = str(result["answer"])
+    if result.get("answered_by") != "extract":
+        return answer
+    return re.sub(r"^Quoted from the documents \(not generated\):[ \t]*(\r?\n)?", "", answer)
 
 
 def by_testid(root: Any, name: str) -> List[WebElement]:
@@ -206,7 +221,7 @@ def test_a_correct_answer_is_drawn_with_its_graded_candidates(browser: WebDriver
     open_console(browser, server.url)
     result = stored(server, ask(browser, CORRECT))
     assert result["action"] == "correct" and not result["abstained"]
-    assert text(browser, browser.find_element(By.ID, "answer")) == result["answer"] != ""
+    assert text(browser, browser.find_element(By.ID, "answer")) == shown_answer(result) != ""
     assert not browser.find_element(By.ID, "abstention").is_displayed()
     assert_trace_drawn(browser, result)
     assert {r.get_attribute("data-label") for r in by_testid(browser, "candidate")} >= {"correct"}
@@ -221,7 +236,7 @@ def test_an_ambiguous_answer_strikes_through_the_dropped_strips(browser: WebDriv
     open_console(browser, server.url)
     result = stored(server, ask(browser, AMBIGUOUS))
     assert result["action"] == "ambiguous" and not result["abstained"]
-    assert text(browser, browser.find_element(By.ID, "answer")) == result["answer"] != ""
+    assert text(browser, browser.find_element(By.ID, "answer")) == shown_answer(result) != ""
     assert_trace_drawn(browser, result)
     strips = by_testid(browser, "strip")
     assert [s.get_attribute("data-kept") for s in strips] == [str(s["kept"]).lower() for s in result["crag"]["strips"]]
@@ -273,7 +288,7 @@ def test_the_recent_list_grows_and_a_click_redraws_a_past_query(browser: WebDriv
     result = stored(server, first)
     assert browser.find_element(By.ID, "result").get_attribute("data-query-id") == first
     assert text(browser, browser.find_element(By.ID, "result-query")) == CORRECT
-    assert text(browser, browser.find_element(By.ID, "answer")) == result["answer"]
+    assert text(browser, browser.find_element(By.ID, "answer")) == shown_answer(result)
     assert not browser.find_element(By.ID, "abstention").is_displayed()
     assert_trace_drawn(browser, result)
     assert by_testid(browser, "recent-item")[1].get_attribute("aria-current") == "true"
@@ -313,6 +328,19 @@ def test_a_quoted_answer_says_it_was_not_generated(browser: WebDriver, server: L
     result = stored(server, ask(browser, CORRECT))
     assert result["answered_by"] == "extract" and result["crag"]["answer_mode"] == "extract"
     assert "Quoted from the documents, not generated" in browser.find_element(By.ID, "answer-mode").text
+    # The engine's answer opens with the same words; the panel says them once, above the quotes.
+    assert result["answer"].startswith("Quoted from the documents (not generated):")
+    panel = browser.find_element(By.ID, "result-heading").find_element(By.XPATH, "..")
+    assert text(browser, panel).count("Quoted from the documents") == 1, panel.text
+    assert text(browser, browser.find_element(By.ID, "answer")) == shown_answer(result) != result["answer"]
+
+
+def test_the_header_names_the_generator_in_a_few_words(browser: WebDriver, server: LiveServer) -> None:
+    open_console(browser, server.url)
+    info = browser.find_element(By.ID, "server-info")
+    WebDriverWait(browser, 10).until(lambda _: "generator" in info.text)
+    assert "generator llama.cpp model.gguf" in info.text and "no Ollama model" not in info.text, info.text
+    assert info.get_attribute("title") == "Generator: " + GENERATOR.name  # the whole sentence on hover
     assert not by_testid(browser, "unsupported") and not browser.find_element(By.ID, "evidence").is_displayed()
 
 
@@ -386,6 +414,27 @@ def test_a_guarded_server_asks_for_the_key_then_answers(browser: WebDriver, engi
         assert browser.execute_script("return sessionStorage.getItem('crag-api-key')") == "k"
         assert stored(guarded, query_id, key="k")["action"] == "correct"
         assert [i.get_attribute("data-id") for i in by_testid(browser, "recent-item")] == [query_id]
+
+
+def test_a_keys_console_lists_only_that_keys_queries(browser: WebDriver, engine: Any) -> None:
+    acme, globex = "k-acme-7Qv1c0mXW2pLr8sT", "k-globex-Zr4nY9bKe6uHq3"
+    keys = parse_api_keys(json.dumps({acme: {"name": "acme"}, globex: {"name": "globex"}}))
+    with LiveServer(create_app(engine, ServerConfig(api_keys=keys))) as live:
+
+        def asked(key: str) -> str:
+            reply = httpx.post(
+                live.url + "/query", json={"query": CORRECT}, headers={"X-API-Key": key}, timeout=ANSWER_WAIT_S
+            )
+            reply.raise_for_status()
+            return str(reply.json()["id"])
+
+        theirs, mine = asked(globex), asked(acme)
+        open_console(browser, live.url)
+        browser.execute_script("sessionStorage.setItem('crag-api-key', arguments[0]);", acme)
+        open_console(browser, live.url)
+        WebDriverWait(browser, 10).until(lambda _: by_testid(browser, "recent-item"))
+        assert [i.get_attribute("data-id") for i in by_testid(browser, "recent-item")] == [mine]
+        assert theirs not in str(browser.find_element(By.ID, "recent").get_attribute("innerHTML"))
 
 
 def test_a_refused_query_shows_the_servers_error(browser: WebDriver, engine: Any) -> None:

@@ -10,6 +10,8 @@
     incorrect: "retrieval scored under the lower threshold: the question was rewritten and searched again by the fallback.",
     disabled: "correction is switched off: the retrieved passages were used as they came.",
   };
+  // A quoted answer opens with this line of the engine's; the answer mode above the answer says it already.
+  const QUOTED_HEADER = /^Quoted from the documents \(not generated\):[ \t]*(\r?\n)?/;
   const $ = (id) => document.getElementById(id);
   let pending = null; // the request to replay once an API key is given
 
@@ -385,7 +387,8 @@
     const crag = result.crag || {};
     const thresholds = crag.thresholds || { upper: crag.upper, lower: crag.lower };
     const action = String(result.action || crag.action || "");
-    drawAnswer(result.query, result.abstained ? "" : result.answer || "");
+    const answer = String(result.answer || "");
+    drawAnswer(result.query, result.abstained ? "" : crag.answered_by === "extract" ? answer.replace(QUOTED_HEADER, "") : answer);
     drawCheck(result, crag);
     $("result").dataset.queryId = result.id;
     $("action").textContent = action;
@@ -489,9 +492,11 @@
     try {
       const health = await (await fetch("/healthz")).json();
       const gen = health.generator || {};
-      $("server-info").textContent = "Scorer " + health.scorer + " · generator " + gen.name +
+      // The short label; the whole sentence (which model, where, why this one) on hover.
+      $("server-info").textContent = "Scorer " + health.scorer + " · generator " + (gen.label || gen.name) +
         (gen.ready ? "" : " (not ready: " + gen.detail + ")") + " · thresholds " +
         fixed(health.thresholds && health.thresholds.lower, 3) + " / " + fixed(health.thresholds && health.thresholds.upper, 3);
+      $("server-info").title = "Generator: " + gen.name;
     } catch (ignored) {
       $("server-info").textContent = "";
     }
