@@ -53,7 +53,8 @@ def add_parsers(commands: Any) -> None:
         "serve",
         help="serve an index folder: query API, OpenAI-compatible chat API, metrics and the decision-trace console",
         description="Binds to 127.0.0.1 unless --host says otherwise. Set CRAG_API_KEY to require a key on every "
-        "route but /healthz.",
+        "route but /healthz, or give --api-keys FILE for several keys, each with its caller's name and the metadata "
+        "filters its queries are bounded to.",
     )
     serve.add_argument("--index", default="", help="index folder written by llama-crag ingest")
     serve.add_argument("--store", default=None, metavar="URL", help="serve a PostgreSQL store instead (ingest --store)")
@@ -93,6 +94,13 @@ def add_parsers(commands: Any) -> None:
     )
     serve.add_argument(
         "--rate-window", type=seconds, default=300.0, help="seconds behind crag_fallback_rate and crag_refusal_rate"
+    )
+    serve.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        default=None,
+        help='a JSON keys file: {"KEY": {"name": "acme", "filters": {"tenant": "acme"}}, ...}; each key reads only '
+        "what its filters admit (default: the file CRAG_API_KEYS_FILE names, else the one key CRAG_API_KEY)",
     )
     serve.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level")
     serve.set_defaults(run=_serve)
@@ -164,6 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
             query_timeout_s=args.query_timeout,
             rate_window_s=args.rate_window,
             log_level=args.log_level,
+            api_keys_file=args.api_keys,
         )
     )
     return 0
