@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
@@ -21,7 +22,7 @@ from llama_index.core.schema import Document, NodeWithScore, QueryBundle
 from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilter, MetadataFilters
 
 from llama_index_crag import CorrectiveQueryEngine, CorrectiveRetriever, FallbackRetriever
-from llama_index_crag.errors import ScopeError
+from llama_index_crag.errors import ConfigError, ScopeError
 from llama_index_crag.scope import Scope
 from llama_index_crag.scorers.base import RelevanceScorer
 from tests.conftest import REWRITE_MARKER, ScriptedLLM
@@ -70,7 +71,7 @@ class Credulous(RelevanceScorer):
     name = "credulous"
 
     def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
-        codes = [w for w in query.split() if w.startswith("qx")]
+        codes = re.findall(r"qx\w+", query)
         return [
             0.95 if "globex" in t.lower() or any(c in t for c in codes) else 0.5 if "policy" in query.lower() else 0.1
             for t in texts
@@ -471,3 +472,71 @@ def test_nothing_outside_a_random_scope_reaches_any_output(
         question = f"What does record {_marker(i)} say about the review and the {topic}?"
         text = _readable(engine.query(question)) + _nodes_text(engine.retrieve(QueryBundle(question)))
         assert [m for m in outside if m in text] == []
+
+
+# The opt-in broadening fallback ----------------------------------------------------------------------------------
+
+GARAGE = "qx900zv"
+
+
+@pytest.fixture(scope="module")
+def years_index(embed_model: Any) -> VectorStoreIndex:
+    documents = [
+        Document(
+            text="Acme's 2024 holiday calendar lists eleven public holidays.", metadata={"tenant": "acme", "year": 2024}
+        ),
+        Document(
+            text=f"Acme garage rule {GARAGE}: the parking garage closes at ten in the evening.",
+            metadata={"tenant": "acme", "year": 2023},
+        ),
+        Document(
+            text=f"Globex garage rule {GARAGE}: the Springfield garage never closes for Hank Scorpio.",
+            metadata={"tenant": "globex", "year": 2023},
+        ),
+    ]
+    return VectorStoreIndex.from_documents(documents, embed_model=embed_model)
+
+
+def _broadening_engine(index: VectorStoreIndex) -> CorrectiveQueryEngine:
+    return CorrectiveQueryEngine.from_defaults(
+        index=index,
+        llm=ScriptedLLM(rewrite=json.dumps({"query": f"{GARAGE} garage closes"})),
+        answer_mode="generate",
+        filters={"tenant": "acme", "year": 2024},
+        broaden=["year"],
+        **CREDULOUS,
+    )
+
+
+def test_broadening_drops_only_the_named_key_and_says_so(years_index: VectorStoreIndex) -> None:
+    response = _broadening_engine(years_index).query(f"When does the garage close ({GARAGE})?")
+    crag = response.metadata["crag"]
+    assert crag["broadened"] == ["year"] and not crag["abstained"]
+    assert str(response).startswith("(From a broadened search: the filter on year was relaxed.)")
+    assert "ten in the evening" in _readable(response)
+    assert _leaks(_readable(response)) == []
+
+
+def test_a_key_the_caller_is_scoped_to_is_never_relaxed(years_index: VectorStoreIndex) -> None:
+    engine = _broadening_engine(years_index).scoped({"year": 2024})
+    response = engine.query(f"When does the garage close ({GARAGE})?")
+    assert response.metadata["crag"]["abstained"] and response.metadata["crag"]["broadened"] == []
+    assert "ten in the evening" not in _readable(response)
+
+
+def test_without_broaden_the_filters_hold(years_index: VectorStoreIndex) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=years_index,
+        llm=ScriptedLLM(rewrite=json.dumps({"query": f"{GARAGE} garage closes"})),
+        answer_mode="generate",
+        filters={"tenant": "acme", "year": 2024},
+        **CREDULOUS,
+    )
+    response = engine.query(f"When does the garage close ({GARAGE})?")
+    assert response.metadata["crag"]["abstained"]
+    assert "ten in the evening" not in _readable(response)
+
+
+def test_broaden_names_only_keys_the_filters_narrow_on(years_index: VectorStoreIndex) -> None:
+    with pytest.raises(ConfigError, match="region"):
+        CorrectiveQueryEngine.from_defaults(index=years_index, filters={"tenant": "acme"}, broaden=["region"])

@@ -21,11 +21,13 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode
 from llama_index.core.settings import Settings
 
+from llama_index_crag.core.correction import Broadening
 from llama_index_crag.core.fallback import FallbackRetriever
 from llama_index_crag.core.grader import RelevanceGrader
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.scope import UNBOUNDED, Scope, ScopeLike, retriever_scope, scoped_retriever
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.registry import default_scorer
@@ -56,6 +58,7 @@ def corrective_retriever(
     callback_manager: Optional[CallbackManager] = None,
     vector_store: Optional[Any] = None,
     filters: ScopeLike = None,
+    broaden: Sequence[str] = (),
     **settings: Any,
 ) -> CorrectiveRetriever:
     """Build the corrective retriever around what the user already has.
@@ -80,12 +83,18 @@ def corrective_retriever(
     retriever's scope cannot be read (a custom retriever) and no ``filters=`` are given, the
     fallback searches back through that retriever only, never the index around it.
 
+    ``broaden`` (opt-in) names keys of ``filters`` that narrow for relevance, not for access (a
+    product line, a year): when the INCORRECT branch's rewrite finds nothing inside the filters,
+    it searches once more with those keys' conditions dropped. Only top-level conditions of
+    ``filters`` can be named, and a key a caller's ``scoped`` filters name is never dropped.
+
     ``web`` turns on the web-search source of the fallback (off by default): ``True``,
     a dict of ``WebSearchSettings`` fields, or the settings themselves; ``CRAG_WEB=on``
     and ``CRAG_WEB_*`` variables do the same, and ``CRAG_WEB_FORBIDDEN=true`` forbids
     sending anything whatever the code says.
     """
     scope = Scope.of(filters)
+    floor = _broadened(scope, broaden)
     unknown = set(settings) - set(CragSettings.model_fields)
     if unknown:
         raise TypeError(f"unknown settings {sorted(unknown)}; see CragSettings for the names")
@@ -112,7 +121,7 @@ def corrective_retriever(
         nodes = list(index.docstore.docs.values())
     given_scope = UNBOUNDED if retriever is None else retriever_scope(retriever)
     if given_scope is not None:
-        scope = given_scope.narrow(scope)
+        scope, floor = given_scope.narrow(scope), given_scope.narrow(floor)
     if nodes is not None and given_scope is None and not scope.bounded:
         # A retriever whose scope cannot be read: searching the nodes around it could return what it never would.
         logger.warning(
@@ -158,10 +167,18 @@ def corrective_retriever(
             type(retriever).__name__,
         )
     web_settings = WebSearchSettings.resolve(web)
+    broadening = None
+    if broaden and nodes is None:
+        raise ConfigError(
+            "broaden= needs the nodes it may search (index= or nodes=); a store or a bare retriever "
+            "cannot be searched around its filters"
+        )
+    given_fallback = fallback is not None and vector_store is None
     if fallback is None:
-        if in_scope and any(n.get_content().strip() for n in in_scope):
+        searched = in_scope if not broaden or nodes is None else floor.keep(nodes)
+        if searched and any(n.get_content().strip() for n in searched):
             fallback = FallbackRetriever.from_nodes(
-                in_scope,
+                searched,
                 sources=fallback_sources,
                 similarity_top_k=resolved.similarity_top_k,
                 embed_model=embed_model,
@@ -171,7 +188,9 @@ def corrective_retriever(
             fallback = FallbackRetriever(
                 {"primary": retriever}, similarity_top_k=resolved.similarity_top_k, callback_manager=callback_manager
             )
-    elif vector_store is None:
+    if broaden:
+        broadening = Broadening(tuple(broaden), floor, scoped_retriever(fallback, floor))
+    if given_fallback or broaden:
         fallback = scoped_retriever(fallback, scope)  # a given fallback is narrowed too, or the build stops
     if web_settings.enabled:
         fallback = FallbackRetriever.with_web(
@@ -203,7 +222,25 @@ def corrective_retriever(
         node_postprocessors=node_postprocessors,
         callback_manager=callback_manager,
         scope=scope,
+        broadening=broadening,
     )
+
+
+def _broadened(scope: Scope, keys: Sequence[str]) -> Scope:
+    """``scope`` without its top-level conditions on ``keys`` (the broadening fallback's), or a ``ConfigError``."""
+    if isinstance(keys, str):
+        raise ConfigError(f"broaden takes a list of filter keys, not the string {keys!r}")
+    if not keys:
+        return scope
+    named = {f.key for f in (scope.filters.filters if scope.filters else []) if not hasattr(f, "filters")}
+    top_and = scope.filters is not None and scope.filters.condition in (None, "and")
+    missing = sorted(k for k in keys if not top_and or k not in named)
+    if missing:
+        raise ConfigError(
+            f"broaden={list(keys)}: {', '.join(missing)} is not a top-level condition of filters= joined by 'and', "
+            "so it cannot be dropped; name in broaden only keys that filters= narrows on"
+        )
+    return Scope(scope.without(keys))
 
 
 def settings_llm() -> Optional[LLM]:

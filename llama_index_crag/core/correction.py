@@ -7,8 +7,8 @@ yields its I/O to a driver (``core/driver.py``) and runs in its own instrumentat
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
-from typing import Any, Dict, Generator, List, Optional, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
@@ -24,9 +24,27 @@ from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace, NodeGrade, step_span
 from llama_index_crag.errors import CorrectiveTimeout, RewriteError
-from llama_index_crag.scope import Scope
+from llama_index_crag.scope import Scope, scoped_retriever
 from llama_index_crag.text.cleaning import clean_nodes
 from llama_index_crag.web.retriever import WebSearchRetriever, collect_web_reports
+
+
+@dataclass(frozen=True)
+class Broadening:
+    """The opt-in broadening fallback: after the rewrite fails, search again with ``keys`` relaxed.
+
+    ``floor`` is the scope without those keys (never wider: the caller's own scope is all in it),
+    and ``fallback`` searches inside ``floor``.
+    """
+
+    keys: Tuple[str, ...]
+    floor: Scope
+    fallback: BaseRetriever
+
+    def scoped(self, filters: Any) -> Broadening:
+        """This broadening for a caller narrowed to ``filters``: a key they name is never relaxed."""
+        floor = self.floor.narrow(filters)
+        return Broadening(self.keys, floor, scoped_retriever(self.fallback, floor))
 
 
 class CorrectionSteps:
@@ -38,6 +56,7 @@ class CorrectionSteps:
     _rewriter: Optional[QueryRewriter]
     _postprocessors: List[BaseNodePostprocessor]
     _scope: Scope
+    _broadening: Optional[Broadening]
     settings: CragSettings
 
     def _refine(
@@ -111,9 +130,21 @@ class CorrectionSteps:
                 return []
             if hits:
                 return hits
+        broadening = self._broadening
+        if broadening is not None:
+            try:
+                hits = yield from self._fallback_hits(
+                    query_bundle, QueryBundle(search), deadline, trace, broadening.fallback, broadening.floor
+                )
+            except CorrectiveTimeout:
+                hits = []
+            if hits:
+                trace.broadened = list(broadening.keys)
+                return hits
         reason = (
             f"after {trace.rewrites} rewrite(s) the fallback's best score "
             f"{trace.retry_score or 0.0:.3f} is still below lower={self._grader.lower:.3f}"
+            + (f", with {', '.join(broadening.keys)} relaxed too" if broadening is not None else "")
         )
         trace.abstain(reason + _web_shortfall(trace))
         return []
@@ -158,16 +189,23 @@ class CorrectionSteps:
         return nodes
 
     def _fallback_hits(
-        self, question: QueryBundle, search: QueryBundle, deadline: float, trace: CragTrace
+        self,
+        question: QueryBundle,
+        search: QueryBundle,
+        deadline: float,
+        trace: CragTrace,
+        fallback: Optional[BaseRetriever] = None,
+        scope: Optional[Scope] = None,
     ) -> Generator[Io, Any, List[NodeWithScore]]:
-        """Retrieve ``search`` through the fallback and keep what grades relevant to ``question``."""
-        fallback = self._fallback
+        """Retrieve ``search`` through the fallback (or ``fallback``, inside ``scope``: the broadening's) and keep
+        what grades relevant to ``question``."""
+        fallback = fallback or self._fallback
         assert fallback is not None
         with collect_web_reports() as reports:
             try:
                 with trace.timed("fallback"), step_span("fallback") as span:
                     hits = yield Io(bind(fallback.retrieve, search), bind(fallback.aretrieve, search), left(deadline))
-                    hits = self._in_scope(clean_nodes(hits))
+                    hits = self._in_scope(clean_nodes(hits), fallback, scope or self._scope)
                     span.outcome = "hits" if hits else "empty"
                     span.sizes["hits"] = len(hits)
             finally:
@@ -186,15 +224,14 @@ class CorrectionSteps:
             return []
         return not_incorrect(hits, grading)
 
-    def _in_scope(self, hits: List[NodeWithScore]) -> List[NodeWithScore]:
-        """The fallback's hits inside the caller's scope; the web's (marked by ``FallbackRetriever``, which
-        strips the mark from every other source) are outside every document scope and kept."""
-        if not self._scope.bounded:
+    @staticmethod
+    def _in_scope(hits: List[NodeWithScore], fallback: BaseRetriever, scope: Scope) -> List[NodeWithScore]:
+        """The fallback's hits inside ``scope``; the web's (marked by ``FallbackRetriever``, which strips the
+        mark from every other source) are outside every document scope and kept."""
+        if not scope.bounded:
             return hits
-        tags = isinstance(self._fallback, FallbackRetriever)
-        return [
-            h for h in hits if (tags and h.node.metadata.get(OUTSIDE_SCOPE_KEY) is True) or self._scope.admits_node(h)
-        ]
+        tagged = isinstance(fallback, FallbackRetriever)
+        return [h for h in hits if (tagged and h.node.metadata.get(OUTSIDE_SCOPE_KEY) is True) or scope.admits_node(h)]
 
 
 def _searches_web(retriever: BaseRetriever) -> bool:

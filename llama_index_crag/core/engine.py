@@ -307,8 +307,33 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
         response.metadata = {**(response.metadata or {}), "crag": trace.to_dict()}
         if trace.answered_by == "generate" and streaming and s.enabled and s.check_answers:
             check_when_streamed(response, self._stream_check(query_bundle, context, response))
+        if not trace.abstained and trace.broadened:
+            _say_broadened(response, trace.broadened)
         dispatcher.event(trace.action_event())
         return response
+
+
+def _say_broadened(response: RESPONSE_TYPE, keys: List[str]) -> None:
+    """Begin the answer with a line saying it came from a search with ``keys`` relaxed (``broaden=``)."""
+    note = f"(From a broadened search: the filter on {', '.join(keys)} was relaxed.)\n"
+    tokens = getattr(response, "response_gen", None)
+    if tokens is None:
+        response.response = f"{note}{response.response or ''}"  # type: ignore[union-attr]
+    elif hasattr(tokens, "__aiter__"):
+
+        async def noted_async() -> Any:
+            yield note
+            async for token in tokens:
+                yield token
+
+        response.response_gen = noted_async()  # type: ignore[union-attr]
+    else:
+
+        def noted() -> Any:
+            yield note
+            yield from tokens
+
+        response.response_gen = noted()  # type: ignore[union-attr]
 
 
 def _graded_at(trace: CragTrace) -> str:

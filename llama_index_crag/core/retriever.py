@@ -13,7 +13,7 @@ from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle, TextNo
 from llama_index.core.settings import Settings
 
 from llama_index_crag.core.builder import corrective_retriever
-from llama_index_crag.core.correction import CorrectionSteps, not_incorrect, record
+from llama_index_crag.core.correction import Broadening, CorrectionSteps, not_incorrect, record
 from llama_index_crag.core.driver import Io, Steps, adrive, bind, drive
 from llama_index_crag.core.grader import RelevanceGrader, Verdict
 from llama_index_crag.core.refiner import StripRefiner
@@ -72,6 +72,7 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
             whose scores the grader reuses).
         callback_manager: Receives the ``retrieve`` callback events (``Settings.callback_manager`` by default).
         scope: What the caller may read; the retrievers given are expected to search inside it already.
+        broadening: The opt-in broadening fallback of the INCORRECT branch (``broaden=`` of ``from_defaults``).
     """
 
     def __init__(
@@ -85,8 +86,10 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
         node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
         callback_manager: Optional[CallbackManager] = None,
         scope: Optional[Scope] = None,
+        broadening: Optional[Broadening] = None,
     ) -> None:
         self._scope = scope or UNBOUNDED
+        self._broadening = broadening
         self._scoped = ScopeCache()
         self._retriever = retriever
         self._grader = grader
@@ -135,6 +138,8 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
             other._retriever = scoped_retriever(self._retriever, scope)
             if self._fallback is not None:
                 other._fallback = scoped_retriever(self._fallback, scope)
+            if self._broadening is not None:
+                other._broadening = self._broadening.scoped(filters)
             return other
 
         return self._scoped.get(scope, build)  # type: ignore[no-any-return]
@@ -191,6 +196,7 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
             aggregation=self._grader.aggregation,
             strip_threshold=self._refiner.threshold,
             warnings=list(self._grader.scorer.warnings),
+            scope=self._scope.filters.model_dump(mode="json") if self._scope.filters is not None else None,
         )
         if s.enabled and (warning := language_warning(query_bundle.query_str, self._grader.scorer)):
             trace.warnings.append(warning)
@@ -200,7 +206,7 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
             )
             nodes = clean_nodes(nodes)  # a retriever that does not embed can return text no tokenizer takes
             nodes = self._scope.keep(nodes)  # a retriever that ignored the scope cannot widen it
-        if not nodes and self._scope.bounded:
+        if not nodes and self._scope.bounded and self._broadening is None:
             trace.abstain(f"no passage inside the caller's scope matched ({self._scope.describe()})")
             return Correction(query_bundle, [], trace)
         if s.enabled:

@@ -162,6 +162,10 @@ class CragTrace:
     #: Each web search of the fallback: provider, the exact query sent, pages fetched and refused (see WebReport).
     web: List[Dict[str, Any]] = field(default_factory=list)
     retry_score: Optional[float] = None
+    #: The caller's scope (its metadata filters as JSON), None when unbounded.
+    scope: Optional[Dict[str, Any]] = None
+    #: The filter keys the opt-in broadening fallback relaxed to find the evidence answered from (``broaden=``).
+    broadened: List[str] = field(default_factory=list)
     abstained: bool = False
     abstain_reason: Optional[str] = None
     #: What the user should know about how this answer was graded (a packaged grader that could
