@@ -30,6 +30,10 @@ class StoredIdf(Mapping[str, float]):
     ``ttl_s`` seconds so that documents ingested meanwhile change the weights soon.
     ``prefetch`` reads a query's words in one round trip.
 
+    The frequencies are over every chunk of the store, whatever a caller's scope: counts of documents
+    holding a word, never text, so no passage outside the scope can reach the caller through them
+    (scoping them would need a count per word and scope, for a weight that only ranks passages inside it).
+
     Args:
         store: The store.
         ttl_s: How long a word's weight (and the chunk count) is trusted.

@@ -7,7 +7,7 @@ import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def ingest(
-    source: Union[Path, str],
+    source: Union[Path, str, Sequence[Document]],
     store: PostgresStore,
     embed_model: Optional[BaseEmbedding] = None,
     window_size: int = 3,
@@ -38,6 +38,11 @@ def ingest(
     documents gone from ``source`` are deleted with their rows. Each batch of documents
     is one transaction (rows and word counts move together), and concurrent ingests
     into one store wait for each other. Chunk ids are stable (``doc_id#n``).
+
+    ``source`` is a folder (read by ``stores.folder.read_documents``) or the LlamaIndex ``Document``s
+    themselves, which then are the whole store, as a folder would be: give each a stable ``id_``. A
+    document's metadata (a tenant, a year, tags) is stored with each of its chunks and sentence windows
+    (``metadata_``), where a scope's filters read it.
     """
     from tqdm import tqdm
 
@@ -46,11 +51,19 @@ def ingest(
     from llama_index_crag.stores.folder import IndexFolderError, IngestReport, read_documents
 
     started = time.monotonic()
-    documents, skipped = read_documents(Path(source))
+    documents: List[Document]
+    skipped: List[str]
+    given = not isinstance(source, (str, Path))
+    if isinstance(source, (str, Path)):
+        documents, skipped = read_documents(Path(source))
+        origin = str(Path(source).resolve())
+    else:
+        documents, skipped, origin = list(source), [], "documents given to ingest()"
     if not documents:  # never read as "delete everything": an unmounted or mistyped folder would empty the store
         raise IndexFolderError(
-            f"{source} holds no document with text to index; the store {store.table} keeps what it holds: "
-            f"to empty it, drop its tables ({store.name('chunks')} and {store.table}_*)"
+            f"{'no documents were given' if given else source} holds no document with text to index; the store "
+            f"{store.table} keeps what it holds: to empty it, drop its tables ({store.name('chunks')} and "
+            f"{store.table}_*)"
         )
     embed_model = embed_model or default_embed_model()
     store.create_schema()
@@ -102,7 +115,7 @@ def ingest(
             "format": FORMAT,
             "created": old_meta.get("created") or now_iso(),
             "updated": now_iso(),
-            "source": str(Path(source).resolve()),
+            "source": origin,
             "embed_model": embed_model.model_name,
             "embed_dim": store.embed_dim,
             "index_precision": store.precision,
@@ -160,6 +173,7 @@ def _insert(
                 w.ref_doc_id or "",
                 w.get_content(metadata_mode=MetadataMode.NONE),
                 w.metadata.get("window") or w.get_content(),
+                # The chunk's metadata, which is its document's: a scope filters windows as it filters chunks.
                 Jsonb({k: v for k, v in w.metadata.items() if k not in ("window", "original_text")}),
                 np.asarray(v, dtype=np.float32),
             )

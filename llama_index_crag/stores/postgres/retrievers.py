@@ -3,28 +3,65 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
+from llama_index_crag.scope import UNBOUNDED, Scope, ScopeLike
+from llama_index_crag.stores.postgres.filters import scope_sql, sql
 from llama_index_crag.stores.postgres.store import PostgresStore, row_node
 from llama_index_crag.text.cleaning import clean_text
 
 if TYPE_CHECKING:
     from psycopg import Connection
 
+R = TypeVar("R", bound="_StoreRetriever")
+
 
 class _StoreRetriever(BaseRetriever):
-    """A retriever that reads one store; async runs the same query in a worker thread (psycopg's pool is sync)."""
+    """A retriever that reads one store inside a scope; async runs the same query in a worker thread (psycopg's
+    pool is sync).
 
-    def __init__(self, store: PostgresStore, similarity_top_k: int) -> None:
+    ``scope`` (default: every row) is applied in the SQL of every query (``filters.scope_sql``), so the top k are
+    the top k inside the scope; a scope that cannot be applied exactly raises ``ScopeError`` here, at build time.
+    """
+
+    #: The store's tables this retriever reads (``chunks`` or ``windows``), for its scope's SQL.
+    _table = "chunks"
+
+    def __init__(
+        self,
+        store: PostgresStore,
+        similarity_top_k: int,
+        scope: Optional[Scope] = None,
+        callback_manager: Optional[CallbackManager] = None,
+    ) -> None:
         self._store = store
         self._top_k = similarity_top_k
-        super().__init__()
+        self._set_scope(scope or UNBOUNDED)
+        super().__init__(callback_manager=callback_manager)
+
+    def _set_scope(self, scope: Scope) -> None:
+        self.scope = scope
+        self._where = scope_sql(scope, self._table)
+
+    def scoped(self: R, scope: ScopeLike) -> R:
+        """A copy narrowed to ``scope`` as well as its own (``Scope.narrow``), sharing the store and the model."""
+        more = Scope.of(scope)
+        if not more.bounded or more.key == self.scope.key:
+            return self
+        other = copy.copy(self)
+        other._set_scope(self.scope.narrow(more))
+        return other
+
+    def _params(self, **query: Any) -> Dict[str, Any]:
+        return {**self._where.params, **query}
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
         return await asyncio.to_thread(self._retrieve, query_bundle)
@@ -33,9 +70,16 @@ class _StoreRetriever(BaseRetriever):
 class _EmbeddingRetriever(_StoreRetriever):
     """A store retriever that embeds the query (and puts the vector on the bundle, for grading to reuse)."""
 
-    def __init__(self, store: PostgresStore, embed_model: BaseEmbedding, similarity_top_k: int) -> None:
+    def __init__(
+        self,
+        store: PostgresStore,
+        embed_model: BaseEmbedding,
+        similarity_top_k: int,
+        scope: Optional[Scope] = None,
+        callback_manager: Optional[CallbackManager] = None,
+    ) -> None:
         self._embed_model = embed_model
-        super().__init__(store, similarity_top_k)
+        super().__init__(store, similarity_top_k, scope, callback_manager)
 
     def _query_vector(self, query_bundle: QueryBundle) -> np.ndarray:
         if query_bundle.embedding is None:
@@ -49,6 +93,35 @@ class _EmbeddingRetriever(_StoreRetriever):
             )
         return await asyncio.to_thread(self._retrieve, query_bundle)
 
+    def _nearest(self, columns: str, vector: np.ndarray, limit: int) -> List[Any]:
+        """The ``limit`` rows of the table nearest ``vector`` inside the scope: ``columns`` and the score.
+
+        The HNSW index serves the search; with a scope, pgvector 0.8's iterative scan goes on through the
+        graph until ``limit`` rows inside the scope are found. Where it still comes back short (a scope
+        narrower than the rows one scan visits, ``hnsw.max_scan_tuples``, or an older pgvector), the rows
+        inside the scope are ranked exactly, so that the scope never costs recall.
+        """
+        store, table = self._store, self._store.name(self._table)
+        params = self._params(q_vector=vector, q_limit=limit)
+        with store.connection() as conn:
+            rows = conn.execute(
+                sql.SQL(
+                    f"SELECT {columns}, 1 - (embedding <=> %(q_vector)s) FROM {table} WHERE {{where}} "
+                    f"ORDER BY {store.nearest(vector='%(q_vector)s')} LIMIT %(q_limit)s"
+                ).format(where=self._where.clause),
+                params,
+            ).fetchall()
+            if self._where.bounded and len(rows) < limit:
+                # An exact ranking of the scope's rows (the ORDER BY is not the index's expression).
+                rows = conn.execute(
+                    sql.SQL(
+                        f"SELECT {columns}, 1 - (embedding <=> %(q_vector)s) AS score FROM {table} "
+                        "WHERE {where} ORDER BY score DESC LIMIT %(q_limit)s"
+                    ).format(where=self._where.clause),
+                    params,
+                ).fetchall()
+        return rows
+
 
 class PostgresVectorRetriever(_EmbeddingRetriever):
     """Dense retrieval of chunks through pgvector's HNSW index, each hit carrying its stored embedding.
@@ -60,17 +133,11 @@ class PostgresVectorRetriever(_EmbeddingRetriever):
         store: The store.
         embed_model: The model the store was embedded with.
         similarity_top_k: Chunks per query.
+        scope: Only chunks whose metadata it admits are searched (default: every chunk).
     """
 
     def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
-        vector = self._query_vector(query_bundle)
-        with self._store.connection() as conn:
-            rows = conn.execute(
-                f"SELECT text, metadata_, embedding, 1 - (embedding <=> %s) FROM {self._store.name('chunks')} "
-                f"ORDER BY {self._store.nearest()} LIMIT %s",
-                (vector, vector, self._top_k),
-            ).fetchall()
-        return _hits(rows)
+        return _hits(self._nearest("text, metadata_, embedding", self._query_vector(query_bundle), self._top_k))
 
 
 class PostgresSentenceWindowRetriever(_EmbeddingRetriever):
@@ -78,17 +145,14 @@ class PostgresSentenceWindowRetriever(_EmbeddingRetriever):
 
     The PostgreSQL twin of ``fallback.SentenceWindowRetriever``: the same sentences,
     embedded the same way at ingest, searched through an HNSW index; it returns twice
-    ``similarity_top_k`` windows, as the in-memory one does.
+    ``similarity_top_k`` windows, as the in-memory one does. A window carries its document's
+    metadata (ingest copies it), so ``scope`` filters windows as it filters chunks.
     """
 
+    _table = "windows"
+
     def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
-        vector = self._query_vector(query_bundle)
-        with self._store.connection() as conn:
-            rows = conn.execute(
-                f"SELECT window_text, metadata_, 1 - (embedding <=> %s) FROM {self._store.name('windows')} "
-                f"ORDER BY {self._store.nearest()} LIMIT %s",
-                (vector, vector, 2 * self._top_k),
-            ).fetchall()
+        rows = self._nearest("window_text, metadata_", self._query_vector(query_bundle), 2 * self._top_k)
         return [
             NodeWithScore(node=TextNode(text=text, metadata=dict(metadata or {})), score=float(score))
             for text, metadata, score in rows
@@ -127,29 +191,41 @@ class PostgresFullTextRetriever(_StoreRetriever):
             lexemes = [lexeme for lexeme, _ in useful]
             weights = [math.log(1 + (size - df + 0.5) / (df + 0.5)) for _, df in useful]
             matched = candidate_lexemes(useful, store.fulltext_candidates)
-            # Rank on the tsvectors alone, then read text, metadata and vector (TOASTed) of the top k only.
-            rows = conn.execute(
-                f"""WITH t AS MATERIALIZED (
-                    SELECT quote_literal(u.lexeme)::tsquery AS q, u.idf
-                    FROM unnest(%s::text[], %s::float8[]) AS u(lexeme, idf)),
-                candidates AS (
-                    SELECT id, text_search_tsv FROM {store.name("chunks")}
-                    WHERE text_search_tsv @@ %s::tsquery LIMIT %s),
-                ranked AS (
-                    SELECT c.id, (SELECT sum(t.idf * ts_rank(c.text_search_tsv, t.q, 1)) FROM t) AS score
-                    FROM candidates c ORDER BY score DESC LIMIT %s)
-                SELECT chunk.text, chunk.metadata_, chunk.embedding, ranked.score
-                FROM ranked JOIN {store.name("chunks")} chunk ON chunk.id = ranked.id
-                ORDER BY ranked.score DESC""",
-                (
-                    lexemes,
-                    weights,
-                    " | ".join(_quoted(lexeme) for lexeme in matched),
-                    store.fulltext_candidates,
-                    self._top_k,
-                ),
-            ).fetchall()
+            rows = self._ranked(conn, lexemes, weights, matched)
+            if self._where.bounded and len(rows) < self._top_k and len(matched) < len(lexemes):
+                # The rarest lexemes were chosen over the whole store (their frequencies are corpus-wide counts)
+                # and may hold few chunks inside the scope: rank the scope's chunks holding any of the lexemes.
+                rows = self._ranked(conn, lexemes, weights, lexemes)
         return _hits(rows)
+
+    def _ranked(
+        self, conn: Connection[Any], lexemes: List[str], weights: List[float], matched: Sequence[str]
+    ) -> List[Any]:
+        """The top k chunks inside the scope among at most the store's budget of candidates holding ``matched``."""
+        store = self._store
+        # Rank on the tsvectors alone, then read text, metadata and vector (TOASTed) of the top k only.
+        query = sql.SQL(
+            f"""WITH t AS MATERIALIZED (
+                SELECT quote_literal(u.lexeme)::tsquery AS q, u.idf
+                FROM unnest(%(q_lexemes)s::text[], %(q_weights)s::float8[]) AS u(lexeme, idf)),
+            candidates AS (
+                SELECT id, text_search_tsv FROM {store.name("chunks")}
+                WHERE text_search_tsv @@ %(q_matched)s::tsquery AND {{where}} LIMIT %(q_budget)s),
+            ranked AS (
+                SELECT c.id, (SELECT sum(t.idf * ts_rank(c.text_search_tsv, t.q, 1)) FROM t) AS score
+                FROM candidates c ORDER BY score DESC LIMIT %(q_limit)s)
+            SELECT chunk.text, chunk.metadata_, chunk.embedding, ranked.score
+            FROM ranked JOIN {store.name("chunks")} chunk ON chunk.id = ranked.id
+            ORDER BY ranked.score DESC"""
+        ).format(where=self._where.clause)
+        params = self._params(
+            q_lexemes=lexemes,
+            q_weights=weights,
+            q_matched=" | ".join(_quoted(lexeme) for lexeme in matched),
+            q_budget=store.fulltext_candidates,
+            q_limit=self._top_k,
+        )
+        return conn.execute(query, params).fetchall()
 
 
 def candidate_lexemes(lexemes: Sequence[Tuple[str, int]], budget: int) -> List[str]:

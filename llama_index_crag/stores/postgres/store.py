@@ -42,6 +42,8 @@ DEFAULT_TABLE = "crag"
 _NAME = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 _INSTALL = "pip install 'llama-index-crag[postgres]'"
 PRECISIONS = ("full", "half")
+#: The pgvector version whose HNSW scans can go on past the rows a filter drops (``hnsw.iterative_scan``).
+ITERATIVE_SCAN_SINCE = (0, 8, 0)
 
 
 def _psycopg() -> Any:
@@ -118,6 +120,9 @@ class PostgresStore:
         self.connect_timeout_s = connect_timeout_s
         self.index_precision = index_precision
         self._built_precision: Optional[str] = None
+        #: Whether the server's pgvector continues an HNSW scan past rows a WHERE clause drops (0.8 and later);
+        #: None until the first connection asks.
+        self.iterative_scan: Optional[bool] = None
         self._pool: Optional[ConnectionPool] = None
         self._lock = threading.Lock()
 
@@ -142,13 +147,13 @@ class PostgresStore:
         assert self._built_precision is not None
         return self._built_precision
 
-    def nearest(self, column: str = "embedding", precision: Optional[str] = None) -> str:
-        """SQL ordering rows by cosine distance to the query vector (one ``%s``), in the form that the store's
-        index (or the index of ``precision``) serves."""
+    def nearest(self, column: str = "embedding", precision: Optional[str] = None, vector: str = "%s") -> str:
+        """SQL ordering rows by cosine distance to the query vector (the placeholder ``vector``), in the form that
+        the store's index (or the index of ``precision``) serves."""
         if (precision or self.precision) == "half":
             d = int(self.embed_dim)
-            return f"{column}::halfvec({d}) <=> %s::halfvec({d})"
-        return f"{column} <=> %s"
+            return f"{column}::halfvec({d}) <=> {vector}::halfvec({d})"
+        return f"{column} <=> {vector}"
 
     def _resolve_precision(self, meta: Mapping[str, Any], where: str) -> str:
         """The index precision of the store that ``meta`` describes (``full`` for one made before the setting, the
@@ -197,6 +202,13 @@ class PostgresStore:
         _, _, pgvector = _psycopg()
         pgvector.register_vector(conn)
         conn.execute(f"SET hnsw.ef_search = {int(self.ef_search)}")
+        if self.iterative_scan is None:
+            row = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+            self.iterative_scan = row is not None and _version(str(row[0])) >= ITERATIVE_SCAN_SINCE
+        if self.iterative_scan:
+            # A scoped HNSW search goes on through the graph until it has its LIMIT of rows inside the scope
+            # (or has visited hnsw.max_scan_tuples); an unscoped one never needs to.
+            conn.execute("SET hnsw.iterative_scan = strict_order")
 
     def pool(self) -> ConnectionPool:
         """The process's connection pool, opened on first use (a forked server worker opens its own)."""
@@ -282,6 +294,9 @@ class PostgresStore:
                 id BIGSERIAL PRIMARY KEY, ref_doc_id VARCHAR NOT NULL, node_id VARCHAR NOT NULL,
                 text VARCHAR NOT NULL, window_text VARCHAR NOT NULL, metadata_ JSONB, embedding VECTOR({d}))""",
             f"CREATE INDEX IF NOT EXISTS {short}_windows_doc ON {windows} (ref_doc_id)",
+            # Scopes (metadata filters) test containment in metadata_ first where they can (stores.postgres.filters).
+            f"CREATE INDEX IF NOT EXISTS {short}_metadata ON {chunks} USING gin (metadata_ jsonb_path_ops)",
+            f"CREATE INDEX IF NOT EXISTS {short}_windows_metadata ON {windows} USING gin (metadata_ jsonb_path_ops)",
             f"CREATE INDEX IF NOT EXISTS {self.vector_index('windows', precision)} ON {windows} {hnsw}",
             f"CREATE TABLE IF NOT EXISTS {self.name('terms')} (term VARCHAR PRIMARY KEY, df INTEGER NOT NULL)",
             f"CREATE TABLE IF NOT EXISTS {self.name('lexemes')} (lexeme VARCHAR PRIMARY KEY, df INTEGER NOT NULL)",
@@ -375,6 +390,11 @@ def _unreachable(exc: Exception) -> bool:
     insufficient resources such as too many connections), rather than that it refused this work."""
     state = getattr(exc, "sqlstate", None)
     return state is None or state[:2] in ("08", "53", "57")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``0.8.5`` as ``(0, 8, 5)`` (a part that is not a number counts 0)."""
+    return tuple(int(part) if part.isdigit() else 0 for part in text.split("."))
 
 
 def redacted(url: str) -> str:
