@@ -16,6 +16,7 @@ from llama_index.core.llms import LLM
 from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.core.store_parts import store_parts
 from llama_index_crag.errors import IndexFolderError
+from llama_index_crag.scope import Scope, ScopeLike
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.scorers.registry import default_scorer
@@ -49,6 +50,7 @@ def engine_from_store(
     fallback_sources: Sequence[str] = ("fulltext", "sentence_window"),
     grader: Optional[str] = None,
     table: str = DEFAULT_TABLE,
+    filters: ScopeLike = None,
     **engine_kwargs: Any,
 ) -> CorrectiveQueryEngine:
     """The corrective engine over a PostgreSQL store, reading nothing but what each query needs.
@@ -59,7 +61,13 @@ def engine_from_store(
     PostgreSQL; grading reuses the stored embeddings and reads the IDF of the query's
     words only. Other keywords go to ``CorrectiveQueryEngine.from_defaults`` (the LLM,
     ``calibration_path``, ``CragSettings`` fields such as ``upper`` or ``enabled``).
+
+    ``filters`` (LlamaIndex ``MetadataFilters``, their JSON, or ``{"tenant": "acme"}``) bound every search:
+    the primary retrieval, full-text search and sentence windows apply them in their SQL
+    (``stores.postgres.filters``), and the engine checks every candidate against them as well. A filter
+    that PostgreSQL cannot apply exactly raises ``ScopeError`` here.
     """
+    given = engine_kwargs.pop("retriever", None)
     parts = store_parts(
         store,
         embed_model,
@@ -70,7 +78,12 @@ def engine_from_store(
         settings=engine_kwargs,
         calibration_path=engine_kwargs.get("calibration_path"),
         postprocessors=engine_kwargs.pop("node_postprocessors", None),
+        retriever=given,
+        scope=None if filters is None else Scope.of(filters),
     )
+    if given is not None:  # the engine narrows a given retriever (or warns that it cannot) and checks its hits
+        engine_kwargs["filters"] = filters
+    # Otherwise the engine reads the scope from the store's retriever (its ``scope``) and checks every hit too.
     return CorrectiveQueryEngine.from_defaults(
         retriever=parts.retriever,
         llm=llm,

@@ -13,6 +13,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 
 from llama_index_crag.core.fallback import FallbackRetriever
 from llama_index_crag.core.settings import CragSettings
+from llama_index_crag.scope import UNBOUNDED, Scope, ScopeLike, retriever_scope
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.stores.postgres.grading import StoredEvidence, StoredIdf, stored_scorer
 from llama_index_crag.stores.postgres.retrievers import (
@@ -45,12 +46,20 @@ def store_parts(
     settings: Optional[Mapping[str, Any]] = None,
     calibration_path: Optional[str] = None,
     postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
+    retriever: Optional[BaseRetriever] = None,
+    scope: ScopeLike = None,
 ) -> StoreParts:
     """The engine's parts over ``store`` (a ``postgresql://`` URL, a ``PostgresStore`` or a ``PGVectorStore``).
 
     Retrieval is pgvector's; the fallback is full-text search and sentence windows in
     PostgreSQL; grading reuses the stored embeddings and reads the IDF of the query's words only.
     ``settings`` and ``calibration_path`` are the engine's, read here for ``similarity_top_k``.
+
+    ``scope`` (a ``Scope``, or anything ``scope.as_filters`` reads) bounds every retriever built here: each
+    searches inside it in its SQL. A given ``retriever`` is the primary retriever as it is, never replaced;
+    the store's fallback retrievers then search inside ``scope`` and the retriever's own scope (where
+    ``scope.retriever_scope`` can read it). Where neither is known, the fallback goes back through the
+    given retriever only: searching the store around it could return what it never would.
     """
     from llama_index_crag.local.models import default_embed_model
 
@@ -62,6 +71,7 @@ def store_parts(
     store.require(embed_model)
     stored_idf: Optional[StoredIdf] = None
     if scorer is None:
+        # Word statistics are document frequencies over the whole store, whatever the scope: counts, no text.
         scorer, stored_idf = stored_scorer(store, embed_model, grader or os.environ.get("CRAG_GRADER") or None)
     given = {k: v for k, v in (settings or {}).items() if k in CragSettings.model_fields}
     top_k = CragSettings.resolve(
@@ -70,11 +80,24 @@ def store_parts(
         scorer_name=scorer.name,
         scorer_defaults=scorer.default_thresholds,
     ).similarity_top_k
+    asked = None if scope is None else Scope.of(scope)
+    fallback: BaseRetriever
+    if retriever is None:
+        bounds = asked or UNBOUNDED
+        retriever = PostgresVectorRetriever(store, embed_model, top_k, scope=bounds)
+        fallback = store_fallback(store, embed_model, top_k, fallback_sources, scope=bounds)
+    else:
+        own = retriever_scope(retriever)
+        if own is None and asked is None:
+            fallback = FallbackRetriever({"primary": retriever}, similarity_top_k=top_k)
+        else:
+            bounds = (own or UNBOUNDED).narrow(asked)
+            fallback = store_fallback(store, embed_model, top_k, fallback_sources, scope=bounds)
     return StoreParts(
         store=store,
         embed_model=embed_model,
-        retriever=PostgresVectorRetriever(store, embed_model, top_k),
-        fallback=store_fallback(store, embed_model, top_k, fallback_sources),
+        retriever=retriever,
+        fallback=fallback,
         scorer=scorer,
         postprocessors=[StoredEvidence(scorer, stored_idf), *(postprocessors or [])],
     )
@@ -85,14 +108,16 @@ def store_fallback(
     embed_model: BaseEmbedding,
     similarity_top_k: int = 5,
     sources: Sequence[str] = ("fulltext", "sentence_window"),
+    scope: Optional[Scope] = None,
 ) -> BaseRetriever:
-    """The ``FallbackRetriever`` of the INCORRECT branch over the store: full-text search, then sentence windows."""
+    """The ``FallbackRetriever`` of the INCORRECT branch over the store: full-text search, then sentence windows,
+    each searching inside ``scope`` (default: the whole store)."""
     built: Dict[str, BaseRetriever] = {}
     for source in sources:
         if source in ("fulltext", "bm25"):
-            built[source] = PostgresFullTextRetriever(store, similarity_top_k)
+            built[source] = PostgresFullTextRetriever(store, similarity_top_k, scope=scope)
         elif source == "sentence_window":
-            built[source] = PostgresSentenceWindowRetriever(store, embed_model, similarity_top_k)
+            built[source] = PostgresSentenceWindowRetriever(store, embed_model, similarity_top_k, scope=scope)
         else:
             raise ValueError(f"unknown fallback source {source!r}: use 'fulltext' or 'sentence_window'")
     return FallbackRetriever(built, similarity_top_k=similarity_top_k)
