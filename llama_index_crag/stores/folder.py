@@ -25,21 +25,26 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 from llama_index.core import Document, StorageContext, VectorStoreIndex, load_index_from_storage
-from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.schema import BaseNode, MetadataMode
+from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.ingestion import run_transformations
+from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from llama_index_crag.datasets import load_documents
 from llama_index_crag.errors import IndexFolderError
 from llama_index_crag.stores.chunking import splitter
 from llama_index_crag.stores.metadata import (
     MARKDOWN_SUFFIXES,
+    TITLE,
     checked_metadata,
     described,
     document_of,
@@ -49,6 +54,7 @@ from llama_index_crag.stores.metadata import (
     read_sidecar,
     sidecar_of,
 )
+from llama_index_crag.stores.readers import HTML_SUFFIXES, UnreadableFile, not_read_reason, read_file, supported
 from llama_index_crag.text.cleaning import clean_text
 
 FORMAT = 1
@@ -57,8 +63,6 @@ STORAGE = "storage"
 EMBEDDINGS = "embeddings.npz"
 CORPUS_STATS = "corpus_stats.json"
 CALIBRATION = "calibration.json"
-#: Files a folder of documents may hold; others are skipped and counted.
-TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".html", ".htm", ".csv", ".json")
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +82,50 @@ class IngestReport:
     seconds: float = 0.0
     #: What was not taken from the documents' metadata, and why (bad front matter or sidecar, a refused key).
     notes: List[str] = field(default_factory=list)
+    #: Files read and skipped, by format (``{".pdf": {"read": 3, "skipped": 1}}``).
+    formats: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    #: Documents of the last ingest whose file could not be read this time: the index keeps their last version.
+    kept: List[str] = field(default_factory=list)
 
     def summary(self) -> str:
         return (
             f"{self.index_dir}: {self.documents} documents, {self.nodes} chunks; "
             f"{len(self.added)} added, {len(self.updated)} updated, {len(self.removed)} removed, "
             f"{self.unchanged} unchanged"
+            + (f", {len(self.kept)} kept as last read" if self.kept else "")
             + (f", {len(self.skipped)} files skipped" if self.skipped else "")
             + (f", {len(self.notes)} notes on metadata" if self.notes else "")
         )
+
+    def by_format(self) -> str:
+        """The files of each format read and skipped, in one line ("" for a ``corpus.jsonl``)."""
+        ordered = sorted(self.formats.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
+        return "; ".join(
+            f"{suffix} {counts.get('read', 0)} read"
+            + (f", {counts['skipped']} skipped" if counts.get("skipped") else "")
+            for suffix, counts in ordered
+        )
+
+
+@dataclass
+class _Reading:
+    """What reading a folder gave: the documents, the files skipped (with why, and by id), the counts by format."""
+
+    documents: List[Document] = field(default_factory=list)
+    skipped: List[str] = field(default_factory=list)
+    skipped_ids: List[str] = field(default_factory=list)
+    formats: Dict[str, Dict[str, int]] = field(default_factory=dict)
+
+    def skip(self, relative: str, suffix: Optional[str], reason: str) -> None:
+        """``relative`` is skipped for ``reason``; counted under its format ``suffix`` unless None (a folder)."""
+        self.skipped.append(f"{relative} ({reason})")
+        self.skipped_ids.append(relative)
+        if suffix is not None:
+            self.count(suffix, "skipped")
+
+    def count(self, suffix: str, outcome: str) -> None:
+        counts = self.formats.setdefault(suffix or "(no suffix)", {})
+        counts[outcome] = counts.get(outcome, 0) + 1
 
 
 def read_documents(
@@ -94,19 +133,23 @@ def read_documents(
     exclude: Optional[Path] = None,
     metadata: Optional[Mapping[str, Any]] = None,
     notes: Optional[List[str]] = None,
+    progress: bool = False,
 ) -> tuple[List[Document], List[str]]:
-    """The documents of ``source``: a ``corpus.jsonl`` in the shared dataset format, or a folder of text files.
+    """The documents of ``source``: a ``corpus.jsonl`` in the shared dataset format, or a folder of files.
 
-    Each document's id is its ``doc_id`` or its path relative to ``source``, so that the
-    same file keeps its id wherever the folder lives. Returns the documents and the files skipped
-    (empty, binary or of a kind this reader does not take). Hidden files and folders are not read, nor
-    anything inside ``exclude`` (the index folder, when it lives among the documents) or inside another
-    index folder: an index read as documents would grow with every ingest.
+    Files are read by format (``stores/readers.py``: text, Markdown, HTML, PDF, Word, PowerPoint). Each document's
+    id is its ``doc_id`` or its path relative to ``source``, so that the same file keeps its id wherever the
+    folder lives. Returns the documents and the files skipped, each with why (empty, binary, encrypted, a scan
+    with no text layer, damaged, or of a kind this reader does not take). Hidden files and folders are not read,
+    nor anything inside ``exclude`` (the index folder, when it lives among the documents) or inside another
+    index folder: an index read as documents would grow with every ingest. Linked folders are followed, each
+    real folder once (a link back up the tree is a loop, skipped with a line saying so).
 
     A document's metadata comes from its front matter (Markdown) and its sidecar ``NAME.meta.json``, and
     ``metadata`` is given to every document (it wins over both; a ``corpus.jsonl`` has only ``metadata``).
-    What is refused there is appended to ``notes`` (logged as warnings when ``notes`` is None); sidecars are
-    never documents.
+    A format's own title (an HTML page's ``<title>``, a PDF's or Office file's properties) is the document's
+    ``title`` unless those give one. What is refused there is appended to ``notes`` (logged as warnings when
+    ``notes`` is None); sidecars are never documents. ``progress`` shows a bar over the files on stderr.
     """
     source = Path(source)
     if not source.is_dir():
@@ -114,52 +157,77 @@ def read_documents(
     given = checked_metadata(metadata)
     said: List[str] = [] if notes is None else notes
     try:
-        return _read_documents(source, exclude, given, said)
+        reading = _read_documents(source, exclude, given, said, progress)
+        return reading.documents, reading.skipped
     finally:
         if notes is None:
             for note in said:
                 logger.warning(note)
 
 
+def load_folder(path: Path | str, metadata: Optional[Mapping[str, Any]] = None) -> List[Document]:
+    """A folder's LlamaIndex ``Document`` objects, read as ``llama-crag ingest`` reads them, for your own index.
+
+    Each has its id (the file's path under ``path``), its ``file_name``, its ``title`` and its own metadata
+    (front matter, sidecar), with ``metadata`` given to all (``--metadata``); see ``read_documents``. The files
+    skipped and the metadata refused are logged as warnings, one each, saying why.
+    """
+    notes: List[str] = []
+    documents, skipped = read_documents(Path(path), metadata=metadata, notes=notes)
+    for line in [*(f"skipped {s}" for s in skipped), *notes]:
+        logger.warning("%s: %s", path, line)
+    return documents
+
+
 def _read_documents(
-    source: Path, exclude: Optional[Path], given: Dict[str, Any], notes: List[str]
-) -> tuple[List[Document], List[str]]:
+    source: Path, exclude: Optional[Path], given: Dict[str, Any], notes: List[str], progress: bool = False
+) -> _Reading:
+    reading = _Reading()
     if (source / "corpus.jsonl").exists():
         rows = [({k: v for k, v in d.metadata.items() if k != "doc_id"}, d) for d in load_documents(source)]
-        documents = [
+        reading.documents = [
             document_with(d.text, d.id_, {"doc_id": d.id_}, o, given, notes) for o, d in rows if d.text.strip()
         ]
-        return documents, []
-    documents, skipped, ids = [], [], set()
-    indexes = {p.parent for p in source.rglob(MANIFEST)} | ({exclude.resolve()} if exclude else set())
-    files = sorted(p for p in source.rglob("*") if p.is_file() and _readable(p, source, indexes))
+        return reading
+    ids: set[str] = set()
+    files = _files(source, exclude, reading)
     listed = set(files)
-    for path in files:
+    from tqdm import tqdm
+
+    bar = tqdm(files, desc="Reading files", unit="file", disable=not progress, dynamic_ncols=True)
+    for path in bar:
         relative = _relative(path, source)
         if is_sidecar(path):
             if document_of(path) not in listed:
                 notes.append(f"{relative}: no file {document_of(path).name} beside this sidecar: ignored")
             continue
-        if path.suffix.lower() not in TEXT_SUFFIXES:
-            skipped.append(f"{relative} (not a text format: {', '.join(TEXT_SUFFIXES)})")
+        suffix = path.suffix.lower()
+        if not supported(path):
+            reading.skip(relative, suffix, not_read_reason(path))
             continue
-        raw = path.read_bytes()
-        if b"\x00" in raw[:4096]:
-            skipped.append(f"{relative} (binary content)")
+        if progress:
+            bar.set_postfix_str(path.name[-40:], refresh=False)
+        try:
+            read = read_file(path, pages=_page_bar(path.name) if progress else None)
+        except UnreadableFile as exc:
+            reading.skip(relative, suffix, str(exc))
             continue
-        text = raw.decode("utf-8", errors="replace")
-        own: Dict[str, Any] = {}
-        if path.suffix.lower() in MARKDOWN_SUFFIXES:
-            text, own = read_front_matter(text, relative, notes)
-        if path.suffix.lower() in (".html", ".htm"):
-            try:
-                text = _html_text(text)
-            except Exception as exc:  # bs4's ParserRejectedMarkup ("<![foo[ x ]]>"): this file, not the ingest
-                skipped.append(f"{relative} (HTML the parser rejects: {type(exc).__name__})")
+        except OSError as exc:  # gone since it was listed, unreadable for this user, a link to nothing
+            reading.skip(relative, suffix, f"cannot be read: {exc.strerror or type(exc).__name__}")
+            continue
+        except Exception as exc:  # bs4's ParserRejectedMarkup ("<![foo[ x ]]>"): this file, not the ingest
+            if suffix in HTML_SUFFIXES:
+                reading.skip(relative, suffix, f"HTML the parser rejects: {type(exc).__name__}")
                 continue
+            raise
+        text = read.text
+        own: Dict[str, Any] = {TITLE: clean_text(read.title)} if read.title else {}
+        if suffix in MARKDOWN_SUFFIXES:
+            text, front = read_front_matter(text, relative, notes)
+            own.update(front)
         text = clean_text(text)
         if not text.strip():
-            skipped.append(f"{relative} (empty)")
+            reading.skip(relative, suffix, "empty")
             continue
         if relative in ids:
             raise IndexFolderError(  # a name that is not UTF-8 is written with escapes a real name may hold too
@@ -170,8 +238,66 @@ def _read_documents(
         if sidecar in listed:  # the sidecar's keys win over the front matter's
             own = {**own, **read_sidecar(sidecar, _relative(sidecar, source), notes)}
         base = {"doc_id": relative, "file_name": relative.rsplit("/", 1)[-1]}
-        documents.append(document_with(text, relative, base, own, given, notes))
-    return documents, skipped
+        reading.documents.append(document_with(text, relative, base, own, given, notes))
+        reading.count(suffix, "read")
+    return reading
+
+
+def _files(source: Path, exclude: Optional[Path], reading: _Reading) -> List[Path]:
+    """The files under ``source`` that may be documents, sorted: not hidden, not in an index folder or ``exclude``.
+
+    Linked folders are followed, each real folder once: a link to a folder already walked (a loop back up the
+    tree, or a second way into the same folder) is skipped with a line saying so, and so is a link to nothing.
+    """
+    excluded = {os.path.realpath(exclude)} if exclude else set()
+    seen: set[tuple[int, int]] = set()
+    found: List[Path] = []
+
+    def walk(folder: Path) -> None:
+        try:
+            info = folder.stat()
+        except OSError:
+            return
+        if (info.st_dev, info.st_ino) in seen:
+            reading.skip(_relative(folder, source) + "/", None, "a link to a folder already read: not followed")
+            return
+        seen.add((info.st_dev, info.st_ino))
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as exc:
+            reading.skip(_relative(folder, source) + "/", None, f"cannot be listed: {exc.strerror}")
+            return
+        if any(e.name == MANIFEST for e in entries) or os.path.realpath(folder) in excluded:
+            return  # an index folder: its files are not documents
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            path = folder / entry.name
+            try:
+                is_dir = entry.is_dir()  # follows links
+                is_file = not is_dir and entry.is_file()
+            except OSError:  # a link loop on itself (ELOOP)
+                is_dir = is_file = False
+            if is_dir:
+                walk(path)
+            elif is_file:
+                found.append(path)
+            elif entry.is_symlink():
+                reading.skip(_relative(path, source), path.suffix.lower(), "a link to nothing")
+
+    walk(source)
+    return sorted(found)
+
+
+def _page_bar(name: str) -> Callable[[int], Any]:
+    """A progress bar over the pages of one long PDF, under the bar over the files."""
+
+    def bar(pages: int) -> Any:
+        from tqdm import tqdm
+
+        return tqdm(total=pages, desc=f"  {name[-30:]}", unit="page", leave=False, position=1, dynamic_ncols=True)
+
+    return bar
 
 
 def _relative(path: Path, source: Path) -> str:
@@ -179,29 +305,11 @@ def _relative(path: Path, source: Path) -> str:
     return path.relative_to(source).as_posix().encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def _readable(path: Path, source: Path, indexes: set[Path]) -> bool:
-    """Whether ``path`` (under ``source``) is a document: not hidden, not inside an index folder."""
-    if any(part.startswith(".") for part in path.relative_to(source).parts):
-        return False
-    return not any(folder == path.parent or folder in path.parents for folder in indexes)
-
-
-def _html_text(html: str) -> str:
-    """An HTML file's readable text (scripts, styles and markup dropped)."""
-    from bs4 import BeautifulSoup
-
-    soup = BeautifulSoup(html, "html.parser")
-    for tag in soup(["script", "style", "noscript", "template"]):
-        tag.decompose()
-    return soup.get_text("\n", strip=True)
-
-
 def _embedder(index_dir: Path, embed_model: Optional[BaseEmbedding], read_only: bool = False) -> BaseEmbedding:
     """The embedding model with the folder's passage vectors; serving reads them and never writes the file."""
     from llama_index_crag.local.embedding_cache import DiskCachedEmbedding
-    from llama_index_crag.local.models import default_embed_model
 
-    return DiskCachedEmbedding(embed_model or default_embed_model(), index_dir / EMBEDDINGS, read_only=read_only)
+    return DiskCachedEmbedding(embed_model or _default_embed_model(), index_dir / EMBEDDINGS, read_only=read_only)
 
 
 def _manifest(index_dir: Path) -> Dict[str, Any]:
@@ -233,12 +341,15 @@ def ingest(
     """Build or update the index folder ``index_dir`` from the documents in ``source``.
 
     A second run over the same folder embeds only documents added or changed since
-    the first and deletes those that are gone. ``calibration`` (a calibration file) and
-    ``grader`` (a ``train-grader`` directory) are recorded and used by ``load_engine``.
+    the first and deletes those that are gone. A file that was ingested before and cannot be read now
+    (damaged, encrypted since) keeps its last version in the index (the report's ``kept``). ``calibration``
+    (a calibration file) and ``grader`` (a ``train-grader`` directory) are recorded and used by ``load_engine``.
     With ``warm_fallback`` the fallback's sentence windows are embedded now, so that
     the first INCORRECT query of a server does not pay for it. ``metadata`` is given to every document
     (``--metadata``); it wins over a document's front matter and sidecar, and a change of any of them
     updates the document. What the documents' metadata could not give is in the report's ``notes``.
+    ``progress`` shows on stderr a bar (count, rate, time left) for each step that can take long: reading
+    the files, embedding the chunks, embedding the sentence windows.
     """
     import time
 
@@ -259,7 +370,10 @@ def ingest(
         read_calibration(calibration, None)
     given = checked_metadata(metadata)
     notes: List[str] = []
-    documents, skipped = read_documents(source, exclude=index_dir, metadata=given, notes=notes)
+    if not source.is_dir():
+        raise IndexFolderError(f"{source} is not a folder of documents")
+    reading = _read_documents(source, index_dir, given, notes, progress)
+    documents, skipped = reading.documents, reading.skipped
     if not documents:
         held = len(_manifest(index_dir).get("documents", {})) if (index_dir / MANIFEST).exists() else 0
         raise IndexFolderError(
@@ -272,9 +386,19 @@ def ingest(
             )
         )
     index_dir.mkdir(parents=True, exist_ok=True)
-    embedder = _embedder(index_dir, embed_model)
-    report = IngestReport(index_dir=str(index_dir), documents=len(documents), nodes=0, skipped=skipped, notes=notes)
+    fresh = not (index_dir / MANIFEST).exists() and not (index_dir / EMBEDDINGS).exists()
+    counted = _Counted(embed_model or _default_embed_model())
+    embedder = _embedder(index_dir, counted)
+    report = IngestReport(
+        index_dir=str(index_dir),
+        documents=len(documents),
+        nodes=0,
+        skipped=skipped,
+        notes=notes,
+        formats=reading.formats,
+    )
     old: Dict[str, Any] = {}
+    transformations: List[TransformComponent] = [splitter()]
     if (index_dir / MANIFEST).exists():
         old = _manifest(index_dir)
         if old.get("documents") and old.get("metadata", {}) != given:
@@ -285,25 +409,36 @@ def ingest(
         index = load_index_from_storage(
             StorageContext.from_defaults(persist_dir=str(index_dir / STORAGE)),
             embed_model=embedder,
-            transformations=[splitter()],
+            transformations=transformations,
         )
+        known = old.get("documents", {})
         current = {d.id_ for d in documents}
-        for doc_id in sorted(set(old.get("documents", {})) - current):
+        # A file still there that cannot be read now keeps what the last ingest read of it.
+        report.kept = sorted(i for i in set(reading.skipped_ids) & set(known) if i not in current)
+        for doc_id in sorted(set(known) - current - set(report.kept)):
             index.delete_ref_doc(doc_id, delete_from_docstore=True)
             report.removed.append(doc_id)
-        known = old.get("documents", {})
-        changed = index.refresh_ref_docs(documents)
-        for document, refreshed in zip(documents, changed):
-            if not refreshed:
-                report.unchanged += 1
-            elif document.id_ in known:
-                report.updated.append(document.id_)
-            else:
-                report.added.append(document.id_)
+        changed = [d for d in documents if index.docstore.get_document_hash(d.id_) != d.hash]
+        for document in changed:
+            if index.docstore.get_document_hash(document.id_) is not None:
+                index.delete_ref_doc(document.id_, delete_from_docstore=True)
+        nodes = run_transformations(changed, transformations)
+        with counted.counting("Embedding chunks", len(nodes), "chunk", progress, exact=False):
+            index.insert_nodes(nodes)
+        for document in changed:
+            index.docstore.set_document_hash(document.id_, document.hash)
+            (report.updated if document.id_ in known else report.added).append(document.id_)
+        report.unchanged = len(documents) - len(changed)
+        report.documents += len(report.kept)
     else:
-        index = VectorStoreIndex.from_documents(
-            documents, embed_model=embedder, transformations=[splitter()], show_progress=progress
-        )
+        storage = StorageContext.from_defaults()
+        for document in documents:
+            storage.docstore.set_document_hash(document.id_, document.hash)
+        nodes = run_transformations(documents, transformations)
+        with counted.counting("Embedding chunks", len(nodes), "chunk", progress, exact=fresh):
+            index = VectorStoreIndex(
+                nodes, storage_context=storage, embed_model=embedder, transformations=transformations
+            )
         report.added = [d.id_ for d in documents]
     index.storage_context.persist(persist_dir=str(index_dir / STORAGE))
     nodes = list(index.docstore.docs.values())
@@ -316,17 +451,20 @@ def ingest(
     if calibration:
         shutil.copyfile(calibration, index_dir / CALIBRATION)
     if warm_fallback:
-        from llama_index_crag.stores.memory import SentenceWindowRetriever
+        from llama_index_crag.stores.memory import SentenceWindowRetriever, sentence_windows
 
-        SentenceWindowRetriever(nodes, embedder).retrieve("warm the sentence windows")
+        windows = len(sentence_windows(nodes)) if progress else 0
+        with counted.counting("Embedding sentence windows", windows, "window", progress, exact=fresh):
+            SentenceWindowRetriever(nodes, embedder).retrieve("warm the sentence windows")
     report.seconds = round(time.monotonic() - started, 2)
+    hashes = {d.id_: d.hash for d in documents}
     manifest: Dict[str, Any] = {
         "format": FORMAT,
         "created": old.get("created") or _now(),
         "updated": _now(),
         "source": str(source),
         "embed_model": embedder.model_name,
-        "documents": {d.id_: d.hash for d in documents},
+        "documents": {**{i: old["documents"][i] for i in report.kept}, **hashes},
         "metadata": given,
         "nodes": len(nodes),
         "calibration": CALIBRATION if (index_dir / CALIBRATION).exists() else None,
@@ -335,6 +473,78 @@ def ingest(
     }
     _write_json(index_dir / MANIFEST, manifest)
     return report
+
+
+def _default_embed_model() -> BaseEmbedding:
+    from llama_index_crag.local.models import default_embed_model
+
+    return default_embed_model()
+
+
+class _Counted(BaseEmbedding):
+    """An embedding model that advances a progress bar by the passages it embeds, while one is shown.
+
+    It sits under the folder's cache (``DiskCachedEmbedding``), so it counts what is embedded, not what the
+    cache already held. The bar's total is the step's count of passages where nothing is cached yet (a new
+    index folder); otherwise it is the count of the first batch the cache asks for, and grows by each later one.
+    """
+
+    _inner: BaseEmbedding = PrivateAttr()
+    _bar: Any = PrivateAttr(default=None)
+    _exact: bool = PrivateAttr(default=True)
+    _calls: int = PrivateAttr(default=0)
+
+    def __init__(self, inner: BaseEmbedding) -> None:
+        super().__init__(model_name=inner.model_name, embed_batch_size=inner.embed_batch_size)
+        self._inner = inner
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CountedEmbedding"
+
+    @contextmanager
+    def counting(self, step: str, total: int, unit: str, shown: bool, exact: bool) -> Iterator[None]:
+        """Within the block, a bar named ``step`` (shown after half a second, so a step the cache settles
+        stays quiet) counts the passages embedded out of ``total``."""
+        if not shown:
+            yield
+            return
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc=step, unit=unit, delay=0.5, dynamic_ncols=True)
+        self._exact, self._calls = exact, 0
+        try:
+            yield
+            self._bar.total = self._bar.n  # what the cache held was not embedded: done is what was
+            self._bar.refresh()
+        finally:
+            self._bar.close()
+            self._bar = None
+
+    def _get_query_embedding(self, query: str) -> Embedding:
+        return self._inner.get_query_embedding(query)
+
+    async def _aget_query_embedding(self, query: str) -> Embedding:
+        return await self._inner.aget_query_embedding(query)
+
+    def _get_text_embedding(self, text: str) -> Embedding:
+        return self._inner.get_text_embedding(text)
+
+    def get_text_embedding_batch(self, texts: List[str], show_progress: bool = False, **kwargs: Any) -> List[Embedding]:
+        bar = self._bar
+        if bar is None:
+            return self._inner.get_text_embedding_batch(texts, show_progress=show_progress, **kwargs)
+        if not self._exact:
+            bar.total = (bar.total if self._calls else 0) + len(texts)
+            bar.refresh()
+        self._calls += 1
+        vectors: List[Embedding] = []
+        step = max(1, self.embed_batch_size) * 4
+        for start in range(0, len(texts), step):
+            part = texts[start : start + step]
+            vectors.extend(self._inner.get_text_embedding_batch(part, **kwargs))
+            bar.update(len(part))
+        return vectors
 
 
 @dataclass
