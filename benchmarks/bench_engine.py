@@ -12,7 +12,8 @@ bi-encoder, the evidence scorer (the engine's default), and reuse of the scores 
 reranker both pipelines run (no model call of its own). The evidence scorer runs twice,
 with and without the check of each generated answer against its sources, and a row of
 its own sets the two against each other (the check's cost), with the check's own time
-per answer. The LLM-judge CRAG is
+per answer; another runs both sides with a scope set (``filters=`` admitting every passage),
+the cost of checking every candidate against a caller's scope. The LLM-judge CRAG is
 measured the same way on a smaller sample, its judge the real bundled SmolLM2 (its
 calls are its grading cost). Peak memory: the process's peak RSS after each phase,
 and the peak Python allocation of one query on each path (tracemalloc).
@@ -41,6 +42,7 @@ from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.response_synthesizers import get_response_synthesizer
 from llama_index.core.schema import MetadataMode
+from llama_index.core.vector_stores.types import FilterOperator, MetadataFilter, MetadataFilters
 from tqdm import tqdm
 
 from llama_index_crag import CorrectiveQueryEngine
@@ -55,6 +57,11 @@ from llama_index_crag.scorers import BiEncoderScorer, EvidenceScorer, UpstreamSc
 
 PATHS = ("correct", "ambiguous", "incorrect")
 _UNCHECKED = {"check_answers": False}
+#: A scope that admits every passage (each has a doc_id), so that a scoped engine finds what an unscoped one does
+#: and the row measures what checking and narrowing to a scope costs, path by path.
+_EVERY_DOCUMENT = {
+    "filters": MetadataFilters(filters=[MetadataFilter(key="doc_id", operator=FilterOperator.NE, value="")])
+}
 TOP_K = 5
 RERANK_TOP_K = 10
 
@@ -271,6 +278,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # The check's own cost: the same two engines, each query through both in alternating order, once both are
         # warm (the rows above run each against CRAG off in turn, so the later one meets warmer word caches).
         "answer check: evidence checked / unchecked": (unchecked, checked),
+        "evidence, a scope set (filters= on both sides)": (
+            engine(False, BiEncoderScorer(), settings=_EVERY_DOCUMENT),
+            engine(True, EvidenceScorer(corpus=texts), settings=_EVERY_DOCUMENT),
+        ),
         "reused reranker scores": (
             engine(False, BiEncoderScorer(), RERANK_TOP_K, [rerank_off]),
             engine(

@@ -237,7 +237,7 @@ def test_scoped_narrows_and_never_widens(tenants_index: VectorStoreIndex) -> Non
     acme = CorrectiveQueryEngine.from_defaults(index=tenants_index, filters={"tenant": "acme"})
     widened = acme.scoped({"tenant": "globex"})  # acme AND globex: nothing
     response = widened.query("Who founded Globex, and in which city?")
-    assert response.metadata["crag"]["abstained"]
+    assert response.metadata["crag"]["abstained"] and response.metadata["crag"]["action"] == "incorrect"
     assert "scope" in response.metadata["crag"]["abstain_reason"]
     assert _leaks(_readable(response)) == []
 

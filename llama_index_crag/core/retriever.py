@@ -207,6 +207,7 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
             nodes = clean_nodes(nodes)  # a retriever that does not embed can return text no tokenizer takes
             nodes = self._scope.keep(nodes)  # a retriever that ignored the scope cannot widen it
         if not nodes and self._scope.bounded and self._broadening is None:
+            trace.action = Verdict.INCORRECT.value if s.enabled else trace.action  # nothing to grade, none to read
             trace.abstain(f"no passage inside the caller's scope matched ({self._scope.describe()})")
             return Correction(query_bundle, [], trace)
         if s.enabled:

@@ -17,6 +17,7 @@ from llama_index_crag.core.fallback import FallbackRetriever
 from llama_index_crag.datasets import load_documents
 from llama_index_crag.evaluation.dataset import EvalQuestion
 from llama_index_crag.local.embedding_cache import corpus_cache
+from llama_index_crag.scope import UNBOUNDED, Scope, retriever_scope, scoped_retriever
 from llama_index_crag.stores.chunking import chunk
 
 
@@ -54,6 +55,15 @@ class ViewRetriever(BaseRetriever):
         self._embed_model = getattr(inner, "_embed_model", None)
         self._vector_store = getattr(inner, "_vector_store", None)
         super().__init__()
+
+    @property
+    def scope(self) -> Scope:
+        """The inner retriever's scope (the view hides documents, it never widens what the inner one reads)."""
+        return retriever_scope(self._inner) or UNBOUNDED
+
+    def scoped(self, scope: Scope) -> ViewRetriever:
+        """This view over the inner retriever narrowed to ``scope``."""
+        return ViewRetriever(scoped_retriever(self._inner, scope), self._view, self._keep)
 
     def _visible(self, hits: List[NodeWithScore]) -> List[NodeWithScore]:
         hidden = self._view.hidden
