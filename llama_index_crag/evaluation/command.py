@@ -15,7 +15,7 @@ from llama_index_crag.scorers.registry import SPECS, check_spec
 
 
 def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
-    """Add the ``eval`` command to ``llama-crag``'s subparsers."""
+    """Add the ``eval`` command, and its sibling over raw documents ``eval-docs``, to ``llama-crag``'s subparsers."""
     parser = commands.add_parser(
         "eval",
         help="evaluate CRAG against plain RAG, rerank-only and an LLM-judge CRAG on a dataset",
@@ -84,14 +84,86 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--ollama-url", type=http_url, default=DEFAULT_OLLAMA_URL, help="Ollama server to try first")
     parser.add_argument("--ollama-model", default=DEFAULT_OLLAMA_MODEL, help="Ollama model to use when it answers")
     parser.set_defaults(run=_eval)
+    add_eval_docs_parser(commands)
     return parser
 
 
+def add_eval_docs_parser(commands: Any) -> argparse.ArgumentParser:
+    """Add ``eval-docs``: the default engine over a folder of raw documents, ingested as ``llama-crag ingest``
+    ingests them (``evaluation/raw_docs.py``)."""
+    parser = commands.add_parser(
+        "eval-docs",
+        help="ingest a folder of raw documents as llama-crag ingest does and score the default engine's answers",
+        description="Ingests DOCS (into --index, or a folder under --out, reused when it exists), asks every "
+        "question of the default engine with answers quoted (no generator), and scores each answer right, wrong or "
+        "abstained: right holds one of its answers (a compound question: every one), case-insensitive; an "
+        "unanswerable question is right only when abstained on. Prints per-kind figures and truthfulness (right - "
+        "wrong) with 95%% intervals for CRAG and for plain retrieval with its top passage quoted, the share of "
+        "answerable questions whose answer is in plain retrieval's top k, the ingest's time, the passages it "
+        "embedded and the peak memory; writes results.json and report.md.",
+    )
+    parser.add_argument("--dataset", default=None, help="a set laid out as pgdocs: DIR/docs/ and DIR/questions.jsonl")
+    parser.add_argument("--docs", default=None, help="the folder of documents (instead of --dataset)")
+    parser.add_argument(
+        "--questions", default=None, help="questions.jsonl with qid, question, answerable, answers, source, kind"
+    )
+    parser.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="all",
+        help="design or check: one half, cut by source page (pages a question names together fall together; a "
+        "question with no source by its qid), only its documents ingested; all: the whole set",
+    )
+    parser.add_argument(
+        "--index",
+        default=None,
+        help="the index folder to ingest into and ask (default: under --out, named for the split and the chunker)",
+    )
+    parser.add_argument("--limit", type=positive_int, default=None, help="ask only the first N questions")
+    parser.add_argument("--top-k", type=positive_int, default=5, help="passages plain retrieval returns")
+    parser.add_argument(
+        "--out", default=None, help="output folder (default: eval-out/<set name>-docs, with -<split> for a half)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(run=_eval_docs)
+    return parser
+
+
+def _eval_docs(args: argparse.Namespace) -> int:
+    from llama_index_crag.errors import ConfigError
+    from llama_index_crag.evaluation.raw_docs import DocEvalConfig, describe_results, run_doc_evaluation
+
+    if (args.dataset is None) == (args.docs is None):
+        raise ConfigError("name the set with --dataset DIR (DIR/docs, DIR/questions.jsonl), or with --docs DIR")
+    dataset = Path(args.dataset) if args.dataset else None
+    docs = dataset / "docs" if dataset else Path(args.docs)
+    questions = Path(args.questions) if args.questions else (dataset or docs.parent) / "questions.jsonl"
+    name = (dataset or docs.parent).resolve().name
+    config = DocEvalConfig(
+        docs=docs,
+        questions=questions,
+        out=Path(args.out or Path("eval-out") / (f"{name}-docs" + ("" if args.split == "all" else f"-{args.split}"))),
+        split=args.split,
+        index=Path(args.index) if args.index else None,
+        limit=args.limit,
+        top_k=args.top_k,
+        progress=not args.no_progress,
+        dataset=dataset,
+    )
+    results = run_doc_evaluation(config)
+    print(describe_results(results))
+    print(f"Report: {config.out / 'report.md'}")
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
+    from llama_index_crag.errors import ConfigError
     from llama_index_crag.evaluation.harness import EvalConfig, run_evaluation
     from llama_index_crag.local.models import default_llm
 
     dataset = Path(args.dataset)
+    if not (dataset / "corpus.jsonl").exists() and (dataset / "docs").is_dir():
+        raise ConfigError(f"{dataset} holds raw documents (docs/), not passages: run llama-crag eval-docs on it")
     config = EvalConfig(
         dataset=dataset,
         out=Path(args.out or Path("eval-out") / (dataset.name + ("" if args.split == "all" else f"-{args.split}"))),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Any, Dict, List, Sequence
 
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import BaseNode, Document
@@ -17,3 +17,9 @@ def splitter() -> SentenceSplitter:
 def chunk(documents: Sequence[Document]) -> List[BaseNode]:
     """``documents`` chunked as every ingest here chunks them (``splitter()``)."""
     return list(splitter().get_nodes_from_documents(documents))
+
+
+def describe() -> Dict[str, Any]:
+    """How ``chunk`` cuts documents, for a fingerprint of what an index was built with."""
+    parts = splitter()
+    return {"chunker": type(parts).__name__, "chunk_size": parts.chunk_size, "chunk_overlap": parts.chunk_overlap}
