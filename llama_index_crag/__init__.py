@@ -33,6 +33,7 @@ _EXPORTS: Dict[str, str] = {
     "Verdict": "llama_index_crag.core.grader",
     "WebSearchRetriever": "llama_index_crag.web.retriever",
     "WebSearchSettings": "llama_index_crag.web.settings",
+    "load_folder": "llama_index_crag.stores.folder",
 }
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "Verdict",
     "WebSearchRetriever",
     "WebSearchSettings",
+    "load_folder",
 ]
 
 
@@ -89,5 +91,6 @@ if TYPE_CHECKING:
         RetrievalUnavailableError,
         RewriteError,
     )
+    from llama_index_crag.stores.folder import load_folder
     from llama_index_crag.web.retriever import WebSearchRetriever
     from llama_index_crag.web.settings import WebSearchSettings

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 from typing import ContextManager, Optional, Sequence
 
 from llama_index_crag.arguments import CommandParser
-from llama_index_crag.cli import demo, grading, store
+from llama_index_crag.cli import ask, demo, grading, store
 from llama_index_crag.errors import CragError
 from llama_index_crag.evaluation.command import add_eval_parser
 from llama_index_crag.local.cores import torch_on_usable_cores
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parsers(commands)
     grading.add_parsers(commands)
     store.add_parsers(commands)
+    ask.add_parsers(commands)
     add_eval_parser(commands)
     return parser
 

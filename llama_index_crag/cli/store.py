@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from llama_index_crag.arguments import LOG_LEVELS, RenamedOption, http_url, port, positive_int, seconds
@@ -16,12 +17,15 @@ def add_parsers(commands: Any) -> None:
     ingest = commands.add_parser(
         "ingest",
         help="build or update a persisted index folder from a folder of documents (for llama-crag serve)",
-        description="Reads DOCS_DIR (a corpus.jsonl in the shared dataset format, or .txt/.md/.rst/.html/.csv/.json "
-        "files), chunks and embeds it, and writes the vector index, the chunks for the BM25 and sentence-window "
-        "fallback, their embeddings, the evidence scorer's corpus statistics, and the calibration and grader it "
-        "is built with. Run it again on a changed folder: only added or changed documents are embedded, vanished "
-        "ones are removed. Each document keeps its metadata for filters: YAML front matter of a Markdown file, "
-        "a sidecar NAME.meta.json beside any file, and --metadata for all (which wins, then the sidecar).",
+        description="Reads DOCS_DIR (a corpus.jsonl in the shared dataset format, or a folder of .txt, .md, .rst, "
+        ".csv, .json, .html, .pdf, .docx and .pptx files: an HTML page's main content without its navigation, a "
+        "PDF's text layer, the text of Word documents and slides), chunks and embeds it, and writes the vector "
+        "index, the chunks for the BM25 and sentence-window fallback, their embeddings, the evidence scorer's "
+        "corpus statistics, and the calibration and grader it is built with. Run it again on a changed folder: "
+        "only added or changed documents are embedded, vanished ones are removed. Each document keeps its "
+        "metadata for filters: YAML front matter of a Markdown file, a sidecar NAME.meta.json beside any file, and "
+        "--metadata for all (which wins, then the sidecar). A file that cannot be read (encrypted, a scan with no "
+        "text layer, damaged) is skipped with a line saying why; one ingested before keeps its last version.",
     )
     ingest.add_argument("docs", metavar="DOCS_DIR", help="folder of documents")
     ingest.add_argument("--out", metavar="INDEX_DIR", help="the index folder to write or update")
@@ -46,6 +50,12 @@ def add_parsers(commands: Any) -> None:
         default=[],
         help="metadata of every document, over its own (repeatable; a key given twice holds a list): true/false "
         "a boolean, 12 or 0.5 a number, anything else text",
+    )
+    ingest.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bars on stderr while reading files and embedding (default: when stderr is a terminal)",
     )
     ingest.set_defaults(run=_ingest)
 
@@ -112,6 +122,7 @@ def _ingest(args: argparse.Namespace) -> int:
 
     if bool(args.out) == bool(args.store):
         raise ConfigError("ingest needs either --out INDEX_DIR or --store postgresql://...")
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
     metadata = pairs_metadata(args.metadata)
     if args.store and metadata:
         raise ConfigError(
@@ -122,8 +133,10 @@ def _ingest(args: argparse.Namespace) -> int:
         from llama_index_crag.stores.postgres import ingest as ingest_store
 
         store = PostgresStore(args.store, table=args.table, index_precision=args.index_precision)
-        stored = ingest_store(args.docs, store, progress=True)
+        stored = ingest_store(args.docs, store, progress=progress)
         print(stored.summary() + f" in {stored.seconds:.1f} s")
+        for skipped in stored.skipped:
+            print(f"  skipped {skipped}")
         print(f"Serve it: llama-crag serve --store URL --table {args.table}")
         return 0
     report = ingest(
@@ -132,15 +145,19 @@ def _ingest(args: argparse.Namespace) -> int:
         calibration=args.calibration,
         grader=args.grader,
         warm_fallback=args.warm,
-        progress=True,
+        progress=progress,
         metadata=metadata,
     )
     print(report.summary() + f" in {report.seconds:.1f} s")
+    if report.formats:
+        print(f"  files by format: {report.by_format()}")
     for skipped in report.skipped:
         print(f"  skipped {skipped}")
+    for kept in report.kept:
+        print(f"  kept {kept} as the last ingest read it: the file cannot be read now (see its skip line)")
     for note in report.notes:
         print(f"  metadata: {note}")
-    print(f"Serve it: llama-crag serve --index {args.out}")
+    print(f"Serve it: llama-crag serve --index {args.out}  (or ask it: llama-crag ask --index {args.out} QUESTION)")
     return 0
 
 
