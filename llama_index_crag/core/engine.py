@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence, Union
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -36,10 +36,15 @@ from llama_index_crag.scope import Scope, ScopeCache, ScopeLike
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.web.settings import WebSearchSettings
 
+if TYPE_CHECKING:
+    from llama_index_crag.core.chat import CorrectiveChatEngine
+
 logger = logging.getLogger(__name__)
 
 
 dispatcher = get_dispatcher(__name__)
+#: The chat modes ``as_chat_engine`` answers (all through the loop).
+CHAT_MODES = ("condense_question", "condense_plus_context", "context", "best")
 
 
 class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
@@ -197,6 +202,33 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
             return other
 
         return self._scoped.get(retriever.scope, build)  # type: ignore[no-any-return]
+
+    @property
+    def generator(self) -> Optional[LLM]:
+        """The LLM that generates answers, None when the engine has none (it quotes)."""
+        llm = getattr(self._synthesizer, "_llm", None)
+        return None if llm is None or isinstance(llm, MockLLM) else llm
+
+    def as_chat_engine(
+        self, chat_mode: str = "condense_question", llm: Optional[LLM] = None, **kwargs: Any
+    ) -> CorrectiveChatEngine:
+        """A chat engine whose every turn is condensed with its history and answered by this engine's loop.
+
+        Every chat mode that answers from documents (``condense_question``, ``condense_plus_context``,
+        ``context``, ``best``) gives the same ``CorrectiveChatEngine``: a stock context chat
+        engine hands the retrieved passages to the LLM and answers outside the loop, so nothing
+        would check its answer. ``llm`` condenses the turns (default: this engine's generator;
+        without one, the offline rule of ``core/chat.py``); other keywords (``memory``,
+        ``chat_history``, ``verbose``) go to ``CorrectiveChatEngine.from_engine``.
+        """
+        from llama_index_crag.core.chat import CorrectiveChatEngine
+
+        if str(getattr(chat_mode, "value", chat_mode)) not in CHAT_MODES:
+            raise ConfigError(
+                f"chat_mode={chat_mode!r}: a corrective chat answers through the loop ({', '.join(CHAT_MODES)}); "
+                "for an agent, wrap the engine in a QueryEngineTool"
+            )
+        return CorrectiveChatEngine.from_engine(self, llm=llm, **kwargs)
 
     @property
     def settings(self) -> CragSettings:
