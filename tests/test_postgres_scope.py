@@ -624,6 +624,25 @@ def test_a_narrow_scope_still_gets_k_nearest_through_the_hnsw_index(crowded_stor
         store.close()
 
 
+def test_a_scoped_search_is_planned_for_its_values_never_from_a_prepared_generic_plan(crowded_store: str) -> None:
+    store = PostgresStore(crowded_store, table="crowded", pool_size=1)  # one connection: its prepared statements
+    try:
+        scope = Scope.of({"tenant": "few"})
+        retrievers = [
+            PostgresVectorRetriever(store, _HashEmbedding(), 5, scope=scope),
+            PostgresSentenceWindowRetriever(store, _HashEmbedding(), 5, scope=scope),
+            PostgresFullTextRetriever(store, 5, scope=scope),
+        ]
+        for _ in range(8):  # psycopg prepares a statement from its fifth execution on
+            for retriever in retrievers:
+                assert retriever.retrieve("harbor report")
+        with store.connection() as conn:
+            prepared = [row[0] for row in conn.execute("SELECT statement FROM pg_prepared_statements")]
+        assert not [s for s in prepared if "metadata_" in s and "jsonb_typeof" in s], prepared
+    finally:
+        store.close()
+
+
 def test_the_full_text_budget_still_finds_k_inside_the_scope(crowded_store: str) -> None:
     store = PostgresStore(crowded_store, table="crowded", fulltext_candidates=5)  # "zyzzyva" (3) fills the budget
     try:
