@@ -15,11 +15,20 @@
 The synthetic chunks carry random vectors, so the real claims still find their real
 abstracts first: the size is real, the quality figures come from the real corpus.
 
+With ``--tenants N`` every chunk carries a ``tenant`` (the real ones ``tenant-0``, the synthetic
+ones ``tenant-0`` to ``tenant-{N-1}`` in turn; the sentence windows are all real, ``tenant-0``), and at each size
+the same claims are answered again by an engine scoped to ``tenant-0`` (``filters=``), beside the
+unscoped one; and each store retriever's search alone is timed unscoped, in ``tenant-0`` and in
+``tenant-1`` (synthetic rows only, 1/N of them), with how often the HNSW search came back short of k
+and ranked the scope exactly, and how often the full-text search widened its candidates.
+
 Run (about 15 minutes to 100,000 chunks on 2 cores; 1,000,000 needs about 2 GB of
 table and index and an hour of index build):
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_postgres.py --dataset ../shared/datasets/scifact \
-        --sizes 5183,100000 --queries 60
+        --sizes 5183,100000 --queries 60 --tenants 100
+
+``--documents M`` ingests only the first M abstracts (a quick run; the agreement figures then cover those).
 """
 
 from __future__ import annotations
@@ -29,11 +38,12 @@ import json
 import random
 import resource
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from llama_index.core.schema import TextNode
+from llama_index.core.schema import QueryBundle, TextNode
 from llama_index.core.vector_stores.utils import node_to_metadata_dict
 
 from benchmarks.bench_engine import FixedLLM
@@ -44,8 +54,16 @@ from llama_index_crag.evaluation.dataset import load_eval_questions
 from llama_index_crag.evaluation.metrics import pipeline_ms
 from llama_index_crag.local.embedding_cache import corpus_cache
 from llama_index_crag.local.models import default_embed_model
+from llama_index_crag.scope import Scope
 from llama_index_crag.stores.chunking import chunk
-from llama_index_crag.stores.postgres import PostgresStore, ingest
+from llama_index_crag.stores.postgres import (
+    PostgresFullTextRetriever,
+    PostgresSentenceWindowRetriever,
+    PostgresStore,
+    PostgresVectorRetriever,
+    ingest,
+)
+from llama_index_crag.stores.postgres.store import row_node
 from llama_index_crag.text.split import terms
 
 DIM = 384
@@ -68,11 +86,12 @@ def trace(engine: CorrectiveQueryEngine, question: str) -> Dict[str, Any]:
     return crag
 
 
-def on_off(store: PostgresStore, embed: Any, questions: Sequence[str]) -> Dict[str, Any]:
-    """Each claim with CRAG off and on (alternating order); p50 / p95 pipeline ms by CRAG's path, and the ratio."""
+def on_off(store: PostgresStore, embed: Any, questions: Sequence[str], filters: Any = None) -> Dict[str, Any]:
+    """Each claim with CRAG off and on (alternating order); p50 / p95 pipeline ms by CRAG's path, and the ratio.
+    ``filters`` scope both engines."""
     llm = FixedLLM()
-    off = engine_from_store(store, llm, embed_model=embed, enabled=False)
-    on = engine_from_store(store, llm, embed_model=embed)
+    off = engine_from_store(store, llm, embed_model=embed, enabled=False, filters=filters)
+    on = engine_from_store(store, llm, embed_model=embed, filters=filters)
     for question in questions[:3]:  # lazy loads and caches outside the measurement
         off.query(question)
         on.query(question)
@@ -139,11 +158,17 @@ def agreement(store: PostgresStore, embed: Any, nodes: Sequence[Any], questions:
 
 
 def grow(
-    store: PostgresStore, target: int, vocabulary: Sequence[str], seed: int, vector_index: bool = True
+    store: PostgresStore,
+    target: int,
+    vocabulary: Sequence[str],
+    seed: int,
+    vector_index: bool = True,
+    tenants: int = 0,
 ) -> Dict[str, float]:
     """Add synthetic chunks until the store holds ``target``; returns the seconds of each phase.
 
     Without ``vector_index`` the HNSW index is left dropped (for measures of the full-text search alone).
+    With ``tenants`` the synthetic chunks belong to ``tenant-0`` ... ``tenant-{tenants - 1}`` in turn.
 
     A bulk load as docs/postgres.md advises: the vector and full-text indexes are
     dropped, the rows go in with ``COPY``, the word and lexeme frequencies are added in
@@ -182,6 +207,8 @@ def grow(
                 for i, (ids, vector) in enumerate(zip(drawn, vectors)):
                     node = TextNode(id_=f"synthetic-{first + i}#0", text=" ".join(words[ids]))
                     node.metadata["doc_id"] = f"synthetic-{first + i}"
+                    if tenants:
+                        node.metadata["tenant"] = f"tenant-{(first + i) % tenants}"
                     metadata = node_to_metadata_dict(node, remove_text=True, flat_metadata=False)
                     copy.write_row((node.node_id, node.text, Jsonb(metadata), vector))
         if (first - have) // batch % 10 == 9:
@@ -259,6 +286,88 @@ def recall(store: PostgresStore, vectors: Sequence[Sequence[float]], ef_values: 
     return found
 
 
+def tag_tenant(store: PostgresStore, tenant: str) -> int:
+    """Give every chunk and sentence window without a tenant ``tenant`` (in the node's own metadata too, which
+    the engine's check reads); returns how many chunks were tagged."""
+    from psycopg.types.json import Jsonb
+
+    chunks, windows = store.name("chunks"), store.name("windows")
+    with store.connection() as conn, conn.transaction():
+        rows = conn.execute(f"SELECT id, text, metadata_ FROM {chunks} WHERE NOT metadata_ ? 'tenant'").fetchall()
+        updates = []
+        for row_id, text, metadata in rows:
+            node = row_node(text, metadata)
+            node.metadata["tenant"] = tenant
+            updates.append((Jsonb(node_to_metadata_dict(node, remove_text=True, flat_metadata=False)), row_id))
+        conn.cursor().executemany(f"UPDATE {chunks} SET metadata_ = %s WHERE id = %s", updates)
+        conn.execute(
+            f"UPDATE {windows} SET metadata_ = coalesce(metadata_, '{{}}'::jsonb) "
+            "|| jsonb_build_object('tenant', %s::text) WHERE metadata_ IS NULL OR NOT metadata_ ? 'tenant'",
+            (tenant,),
+        )
+        conn.execute(f"ANALYZE {chunks}")
+        conn.execute(f"ANALYZE {windows}")
+    return len(rows)
+
+
+class CountingStore(PostgresStore):
+    """A store that counts the statements each retrieval runs (a second one: the scoped search came back short
+    and ranked the scope exactly, or the full-text search widened its candidates)."""
+
+    statements = 0
+
+    @contextmanager
+    def connection(self) -> Any:
+        with super().connection() as conn:
+            execute = conn.execute
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.statements += 1
+                return execute(*args, **kwargs)
+
+            conn.execute = counted  # type: ignore[method-assign]
+            try:
+                yield conn
+            finally:
+                del conn.execute
+
+
+def search_latency(url: str, embed: Any, questions: Sequence[str], scopes: Dict[str, Any]) -> Dict[str, Any]:
+    """Each store retriever's search alone (the query already embedded), in each scope: p50 / p95 ms, hits, and the
+    share of searches that needed a second statement."""
+    store = CountingStore(url, table="scifact")
+    vectors = [embed.get_query_embedding(q) for q in questions]
+    found: Dict[str, Any] = {}
+    try:
+        for name, filters in scopes.items():
+            scope = Scope.of(filters)
+            retrievers = {
+                "vector": PostgresVectorRetriever(store, embed, 5, scope=scope),
+                "windows": PostgresSentenceWindowRetriever(store, embed, 5, scope=scope),
+                "fulltext": PostgresFullTextRetriever(store, 5, scope=scope),
+            }
+            for kind, retriever in retrievers.items():
+                retriever.retrieve(QueryBundle(questions[0], embedding=vectors[0]))  # connections and caches warm
+                times, hits, second = [], [], 0
+                for question, vector in zip(questions, vectors):
+                    before = store.statements
+                    start = time.perf_counter()
+                    got = retriever.retrieve(QueryBundle(question, embedding=vector))
+                    times.append((time.perf_counter() - start) * 1000.0)
+                    hits.append(len(got))
+                    # vector and windows run one statement, two with the exact ranking; full-text three, four widened
+                    second += store.statements - before > (3 if kind == "fulltext" else 1)
+                found[f"{name} {kind}"] = {
+                    "p50_ms": round(float(np.percentile(times, 50)), 1),
+                    "p95_ms": round(float(np.percentile(times, 95)), 1),
+                    "mean_hits": round(float(np.mean(hits)), 2),
+                    "second_statement": round(second / len(questions), 3),
+                }
+    finally:
+        store.close()
+    return found
+
+
 def results_head(script: str, args: argparse.Namespace) -> Dict[str, Any]:
     """The start of a benchmark's JSON: the command that reproduces it, the date, and an empty list of rows."""
     options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "url")
@@ -304,6 +413,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--index-precision", choices=("full", "half"), default="full", help="HNSW over full vectors or halfvec casts"
     )
+    parser.add_argument(
+        "--tenants", type=int, default=0, help="give chunks one of N tenants and measure scoped engines and searches"
+    )
+    parser.add_argument("--documents", type=int, default=None, help="ingest only the first M abstracts")
     args = parser.parse_args(argv)
 
     server = None if args.url else bench_server()
@@ -320,18 +433,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         embed = corpus_cache(default_embed_model(), Path(args.dataset) / "corpus.jsonl", Path(args.cache_dir), True)
         store = PostgresStore(url, table="scifact", index_precision=args.index_precision)
         started = time.perf_counter()
-        report = ingest(args.dataset, store, embed, progress=True)
+        documents = load_documents(args.dataset)[: args.documents]
+        report = ingest(documents if args.documents else args.dataset, store, embed, progress=True)
         results["ingest"] = {"seconds": round(time.perf_counter() - started, 1), "chunks": report.nodes}
+        if args.tenants:
+            results["tagged_tenant_0"] = tag_tenant(store, "tenant-0")
         questions = [q.question.question for q in load_eval_questions(args.dataset)]
         sample = random.Random(0).sample(questions, min(args.queries, len(questions)))
-        nodes = chunk(load_documents(args.dataset))
+        nodes = chunk(documents)
         results["agreement_with_memory"] = agreement(store, embed, nodes, sample)
         print(json.dumps(results["agreement_with_memory"], indent=1))
         vocabulary = sorted({w for n in nodes[:2000] for w in n.get_content().lower().split() if w.isalpha()})
         vocabulary = [w for w in vocabulary if terms(w)]
         vectors = [embed.get_query_embedding(q) for q in sample[:20]]
         for size in (int(s) for s in args.sizes.split(",")):
-            grown = grow(store, size, vocabulary, seed=size)
+            grown = grow(store, size, vocabulary, seed=size, tenants=args.tenants)
             row = {
                 "chunks": store.chunk_count(),
                 "grow_seconds": round(sum(grown.values()), 1),
@@ -340,6 +456,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "memory": rss_mb(),
                 "hnsw": recall(store, vectors, (40, 100)),
             }
+            if args.tenants:
+                row["paths_scoped_tenant_0"] = on_off(store, embed, sample, filters={"tenant": "tenant-0"})
+                row["search"] = search_latency(
+                    url,
+                    embed,
+                    sample,
+                    {"unscoped": None, "tenant-0": {"tenant": "tenant-0"}, "tenant-1": {"tenant": "tenant-1"}},
+                )
             with store.connection() as conn:
                 size_row = conn.execute(
                     "SELECT pg_total_relation_size(%s), pg_relation_size(%s)",
