@@ -170,6 +170,8 @@ class Scope:
             return self
         if self.filters is None:
             return Scope(more)
+        if Scope(more).key == self.key:  # the same filters again narrow nothing
+            return self
         return Scope(MetadataFilters(filters=[self.filters, more], condition=FilterCondition.AND))
 
     def without(self, keys: Sequence[str]) -> Optional[MetadataFilters]:
