@@ -216,11 +216,13 @@ def _read_documents(
         except OSError as exc:  # gone since it was listed, unreadable for this user, a link to nothing
             reading.skip(relative, suffix, f"cannot be read: {exc.strerror or type(exc).__name__}")
             continue
-        except Exception as exc:  # bs4's ParserRejectedMarkup ("<![foo[ x ]]>"): this file, not the ingest
-            if suffix in HTML_SUFFIXES:
+        except Exception as exc:  # a reader's own failure on a malformed file: this file, not the ingest
+            logger.debug("reading %s failed", relative, exc_info=True)
+            if suffix in HTML_SUFFIXES:  # bs4's ParserRejectedMarkup ("<![foo[ x ]]>")
                 reading.skip(relative, suffix, f"HTML the parser rejects: {type(exc).__name__}")
-                continue
-            raise
+            else:
+                reading.skip(relative, suffix, f"could not be read: {type(exc).__name__}: {str(exc)[:160]}")
+            continue
         text = read.text
         own: Dict[str, Any] = {TITLE: clean_text(read.title)} if read.title else {}
         if suffix in MARKDOWN_SUFFIXES:

@@ -359,7 +359,7 @@ _FULL_LINE = 0.75
 def pdf_text(path: Path, pages: Optional[Callable[[int], Any]] = None) -> FileText:
     """The text layer of a PDF, page by page, with wrapped lines rejoined (see the module's docstring)."""
     from pypdf import PdfReader
-    from pypdf.errors import DependencyError, PdfReadError
+    from pypdf.errors import DependencyError
 
     with _quiet("pypdf"):
         try:
@@ -376,7 +376,7 @@ def pdf_text(path: Path, pages: Optional[Callable[[int], Any]] = None) -> FileTe
             count = len(reader.pages)
         except UnreadableFile:
             raise
-        except (PdfReadError, ValueError, KeyError, TypeError, OSError, RecursionError) as exc:
+        except Exception as exc:  # pypdf raises its own errors and plain ones alike on a malformed file
             raise UnreadableFile(f"not a readable PDF ({type(exc).__name__}: {_first_line(exc)})") from exc
         if count == 0:
             raise UnreadableFile("a PDF with no pages")
