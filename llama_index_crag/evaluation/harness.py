@@ -41,6 +41,7 @@ from llama_index_crag.evaluation.systems import SYSTEMS, SystemParts
 from llama_index_crag.local.models import describe_llm
 from llama_index_crag.scorers.reader_model import WEIGHTS_FILE
 from llama_index_crag.scorers.registry import check_spec, from_spec, spec_defaults
+from llama_index_crag.stores.chunking import describe as describe_chunking
 
 ROWS_FILE = "rows.jsonl"
 #: The correction path's time limits an evaluation lifts by default (``EvalConfig.time_limits``).
@@ -158,6 +159,8 @@ class EvalConfig:
             "top_k": self.top_k,
             "rerank": [self.rerank_top_k, self.rerank_top_n],
             "scoring": SCORING,
+            # Rows asked of chunks cut another way are not these rows (the chunks are cut to the model's window).
+            "chunking": describe_chunking(),
         }
 
 
