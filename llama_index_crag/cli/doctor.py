@@ -152,11 +152,50 @@ def _check_spacy() -> Check:
     )
 
 
+def check_index(index_dir: str) -> Check:
+    """Whether the passages of an index folder fit what the embedding model reads (its window, counted with its
+    tokenizer): a longer passage is searched by its beginning alone, and graded in windows."""
+    start = time.perf_counter()
+    try:
+        from llama_index.core.schema import MetadataMode
+
+        from llama_index_crag.scorers.bi_encoder import embedding_window
+        from llama_index_crag.stores.folder import load_index
+
+        loaded = load_index(index_dir)
+        window = embedding_window(loaded.embed_model)
+        texts = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in loaded.nodes]
+        long = [t for t in texts if len(t) > window.tokens]  # fewer characters hold fewer word pieces
+        sizes = [n for n in window.counts(long) if n > window.tokens]
+    except Exception as exc:
+        return Check(
+            "index", FAIL, f"{type(exc).__name__}: {exc}", time.perf_counter() - start, "ingest the documents again"
+        )
+    seconds = time.perf_counter() - start
+    where = f"{index_dir}: {len(texts)} passages"
+    if sizes:
+        return Check(
+            "index",
+            WARN,
+            f"{where}; {len(sizes)} exceed the embedding model's window of {window.tokens} word pieces (the longest "
+            f"{max(sizes)}): retrieval reads their beginning only, the grader reads them in windows",
+            seconds,
+            f"ingest the documents again (llama-crag ingest DOCS --out {index_dir}) to cut chunks the model reads "
+            "whole; delete the folder first, since unchanged documents are not cut again",
+        )
+    return Check(
+        "index", OK, f"{where}, all within the embedding model's window of {window.tokens} word pieces", seconds
+    )
+
+
 def run_checks(
-    ollama_url: str = DEFAULT_OLLAMA_URL, ollama_model: str = DEFAULT_OLLAMA_MODEL, gguf: Optional[str] = None
+    ollama_url: str = DEFAULT_OLLAMA_URL,
+    ollama_model: str = DEFAULT_OLLAMA_MODEL,
+    gguf: Optional[str] = None,
+    index: Optional[str] = None,
 ) -> List[Check]:
-    """Every check, in the order the engine needs the parts."""
-    steps: Sequence[Callable[[], Check]] = (
+    """Every check, in the order the engine needs the parts; with ``index``, that index folder's passages too."""
+    steps: List[Callable[[], Check]] = [
         _check_torch,
         _check_embedding,
         _check_grader,
@@ -164,7 +203,9 @@ def run_checks(
         _check_llama_cpp_build,
         lambda: check_generation(gguf),
         _check_spacy,
-    )
+    ]
+    if index:
+        steps.append(lambda: check_index(index))
     return [step() for step in steps]
 
 

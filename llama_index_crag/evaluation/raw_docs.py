@@ -25,7 +25,6 @@ any grader).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import resource
@@ -219,10 +218,10 @@ class DocEvalConfig:
 
 
 def chunker_fingerprint() -> str:
-    """A short digest of how ingest chunks (``stores.chunking.describe``)."""
-    from llama_index_crag.stores.chunking import describe
+    """A short digest of how ingest chunks (``stores.chunking.fingerprint``)."""
+    from llama_index_crag.stores.chunking import fingerprint
 
-    return hashlib.sha256(json.dumps(describe(), sort_keys=True).encode()).hexdigest()[:10]
+    return fingerprint()
 
 
 def document_ids(docs: Path) -> List[str]:
@@ -346,7 +345,7 @@ def _ask(engine: Any, plain: Any, question: DocQuestion) -> Dict[str, Any]:
         PLAIN_TOP: outcome(question, top, not passages),
         "in_plain_top_k": holds("\n".join(passages), question.answers, every) if question.answerable else None,
         "in_crag_context": holds(context, question.answers, every) if question.answerable and not abstained else None,
-        "source_retrieved": bool(set(question.sources) & {h.node.metadata.get("doc_id") for h in hits}),
+        "source_in_plain_top_k": bool(set(question.sources) & {h.node.metadata.get("doc_id") for h in hits}),
         "action": trace.get("action"),
         "abstain_reason": trace.get("abstain_reason"),
         "answer": answer[:600],
@@ -405,7 +404,7 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
             "found": sum(1 for r in answerable if r["in_plain_top_k"]),
             "by_kind": recall,
         },
-        "crag_source_retrieved": sum(1 for r in answerable if r["source_retrieved"]),
+        "source_in_plain_top_k": sum(1 for r in answerable if r["source_in_plain_top_k"]),
     }
 
 

@@ -17,7 +17,7 @@ from rapidfuzz.distance import DamerauLevenshtein
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.answer_type import answer_type, constraints, turned_round
 from llama_index_crag.scorers.base import RelevanceScorer, finite_numbers, fit_logistic, sigmoid
-from llama_index_crag.scorers.bi_encoder import BiEncoderScorer
+from llama_index_crag.scorers.bi_encoder import LONG_WARNING_START, BiEncoderScorer
 from llama_index_crag.text.split import split_sentences, terms
 
 FEATURES = (
@@ -129,19 +129,34 @@ class EvidenceScorer(RelevanceScorer):
         )
         self.rival_means = np.asarray(self.DEFAULT_RIVAL_MEANS, dtype=np.float64)
         self._idf: Mapping[str, float] = {}
+        #: Passages of the corpus (``fit_corpus``, or the stats of an index folder) longer than the model's window.
+        self.over_window: Optional[int] = None
         self._unseen_idf = 1.0
         self._rare_idf = math.inf
         if corpus is not None:
             self.fit_corpus(corpus)
 
     def fit_corpus(self, texts: Iterable[str]) -> EvidenceScorer:
-        """Learn IDF weights from the corpus the engine searches."""
+        """Learn IDF weights from the corpus the engine searches, and count its passages longer than the embedding
+        model's window (``over_window``: a warning on every trace when there are any)."""
         frequencies: Counter[str] = Counter()
         size = 0
+        long: List[str] = []
         for text in texts:
             frequencies.update(set(terms(text)))
             size += 1
+            if len(text) > self.bi_encoder.window.tokens:  # fewer characters hold fewer word pieces
+                long.append(text)
+        self.over_window = sum(self.bi_encoder.window.over(long)) if long else 0
+        self.bi_encoder.note_long_passages(self.over_window)
+        self._take_warnings()
         return self.use_idf({w: idf(size, c) for w, c in frequencies.items()}, size)
+
+    def _take_warnings(self) -> None:
+        """The bi-encoder's warning about passages longer than its window, among this scorer's own."""
+        said = [w for w in self.bi_encoder.warnings if w.startswith(LONG_WARNING_START)]
+        if said and not any(w.startswith(LONG_WARNING_START) for w in self.warnings):
+            self.warnings = (*self.warnings, *said)
 
     def use_idf(self, weights: Mapping[str, float], size: int) -> EvidenceScorer:
         """Weigh words by ``weights`` (word to IDF, as ``idf`` computes it) for a corpus of ``size`` texts.
@@ -157,13 +172,22 @@ class EvidenceScorer(RelevanceScorer):
     def corpus_stats(self) -> Dict[str, Any]:
         """The IDF table ``fit_corpus`` learned, as JSON-ready data (``llama-crag ingest`` persists it)."""
         rare = None if math.isinf(self._rare_idf) else self._rare_idf
-        return {"idf": {w: round(v, 6) for w, v in self._idf.items()}, "unseen": self._unseen_idf, "rare": rare}
+        stats: Dict[str, Any] = {"idf": {w: round(v, 6) for w, v in self._idf.items()}, "unseen": self._unseen_idf}
+        stats["rare"] = rare
+        if self.over_window is not None:
+            stats["over_window"] = self.over_window
+            stats["window"] = self.bi_encoder.window.tokens
+        return stats
 
     def load_corpus_stats(self, stats: Mapping[str, Any]) -> EvidenceScorer:
         """Use an IDF table written by ``corpus_stats`` instead of reading the corpus again."""
         self._idf = {str(w): float(v) for w, v in stats["idf"].items()}
         self._unseen_idf = float(stats["unseen"])
         self._rare_idf = math.inf if stats["rare"] is None else float(stats["rare"])
+        if stats.get("over_window") is not None:
+            self.over_window = int(stats["over_window"])
+            self.bi_encoder.note_long_passages(self.over_window)
+            self._take_warnings()
         return self
 
     def _misspelt(self, query_terms: Iterable[str]) -> FrozenSet[str]:
@@ -210,6 +234,8 @@ class EvidenceScorer(RelevanceScorer):
     ) -> Tuple[np.ndarray, List[Optional[str]]]:
         if cosines is None:
             cosines = self.bi_encoder.score_texts(query, texts) if texts else []
+            if self.bi_encoder.long_passages:
+                self._take_warnings()
         query_terms = set(terms(query))
         weight = {t: self._idf.get(t, self._unseen_idf) for t in query_terms}
         expandable, misspelt = self._expandable(query_terms), self._misspelt(query_terms)

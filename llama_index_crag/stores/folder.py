@@ -42,7 +42,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from llama_index_crag.datasets import load_documents
 from llama_index_crag.errors import IndexFolderError
-from llama_index_crag.stores.chunking import splitter
+from llama_index_crag.stores.chunking import fingerprint, splitter
 from llama_index_crag.stores.metadata import (
     MARKDOWN_SUFFIXES,
     TITLE,
@@ -401,7 +401,8 @@ def ingest(
         formats=reading.formats,
     )
     old: Dict[str, Any] = {}
-    transformations: List[TransformComponent] = [splitter()]
+    transformations: List[TransformComponent] = [splitter(embed_model)]
+    cut = fingerprint(embed_model)
     if (index_dir / MANIFEST).exists():
         old = _manifest(index_dir)
         if old.get("documents") and old.get("metadata", {}) != given:
@@ -424,6 +425,11 @@ def ingest(
             index.delete_ref_doc(doc_id, delete_from_docstore=True)
             report.removed.append(doc_id)
         changed = [d for d in documents if index.docstore.get_document_hash(d.id_) != d.hash]
+        if old.get("documents") and old.get("chunker") != cut:
+            # Chunks cut another way (an older version, another model's window) are not mixed with these.
+            before = old.get("chunker") or "chunks not cut to the embedding window"
+            notes.append(f"the chunker changed since the last ingest ({before} -> {cut}): every document is cut again")
+            changed = list(documents)
         for document in changed:
             if index.docstore.get_document_hash(document.id_) is not None:
                 index.delete_ref_doc(document.id_, delete_from_docstore=True)
@@ -468,6 +474,7 @@ def ingest(
         "updated": _now(),
         "source": str(source),
         "embed_model": embedder.model_name,
+        "chunker": cut,
         "documents": {**{i: old["documents"][i] for i in report.kept}, **hashes},
         "metadata": given,
         "nodes": len(nodes),
