@@ -56,6 +56,8 @@ from llama_index_crag.local.models import default_llm
 from llama_index_crag.scorers import BiEncoderScorer, EvidenceScorer, UpstreamScoreScorer
 
 PATHS = ("correct", "ambiguous", "incorrect")
+#: The trace's stages whose times the per-step table gives (CRAG on), in the loop's order.
+STEPS = ("retrieve", "grade", "refine", "fallback", "regrade", "check")
 _UNCHECKED = {"check_answers": False}
 #: A scope that admits every passage (each has a doc_id), so that a scoped engine finds what an unscoped one does
 #: and the row measures what checking and narrowing to a scope costs, path by path.
@@ -115,6 +117,7 @@ def timed(engine: BaseQueryEngine, question: str) -> Dict[str, Any]:
         "pipeline_ms": pipeline_ms({"timings_ms": timings}),
         "grade_ms": timings.get("grade", 0.0) + timings.get("regrade", 0.0),
         "check_ms": timings.get("check"),
+        "steps_ms": {step: timings[step] for step in STEPS if step in timings},
     }
 
 
@@ -141,6 +144,8 @@ def summarize(pairs: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
         on = np.array([p["on"]["pipeline_ms"] for p in mine])
         grade = np.array([p["on"]["grade_ms"] for p in mine])
         checks = [p["on"]["check_ms"] for p in mine if p["on"].get("check_ms") is not None]
+        ran = [p["on"].get("steps_ms", {}) for p in mine]
+        steps = {step: [t[step] for t in ran if step in t] for step in STEPS}
         found[path] = {
             "queries": len(mine),
             "off_p50": float(np.percentile(off, 50)),
@@ -153,6 +158,7 @@ def summarize(pairs: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
             "grade_ms_mean": float(grade.mean()),
             "check_ms_p50": float(np.percentile(checks, 50)) if checks else None,
             "check_ms_p95": float(np.percentile(checks, 95)) if checks else None,
+            "steps_ms_p50": {step: float(np.percentile(times, 50)) for step, times in steps.items() if times},
         }
     return found
 
@@ -203,10 +209,27 @@ def markdown(results: Dict[str, Any]) -> str:
         "",
         "In the answer-check row, off is CRAG on with its answers unchecked and on is the same with every answer "
         "checked: its ratio is the check's cost alone.",
+        "",
+        "Per step, CRAG on, p50 ms over the queries of the path that ran the step:",
+        "",
+        "| grader | path | " + " | ".join(STEPS) + " |",
+        "|---|---|" + "---|" * len(STEPS),
     ]
+    for config, paths in results["configurations"].items():
+        for path, f in paths.items():
+            if path == "all":
+                continue
+            times = f.get("steps_ms_p50", {})
+            cells = " | ".join(f"{times[step]:.1f}" if step in times else "-" for step in STEPS)
+            lines.append(f"| {config} | {path} | {cells} |")
     lines += ["", "Peak RSS (MiB) after each phase:", ""]
     lines += [f"- {phase}: {mb:,.0f}" for phase, mb in results["peak_rss_mb"].items()]
-    lines += ["", "Peak Python allocation of one query (MiB, median; tracemalloc, excludes torch tensors):", ""]
+    lines += [
+        "",
+        f"Peak Python allocation of one query, {results['allocation_peak_grader']} "
+        "(MiB, median; tracemalloc, excludes torch tensors):",
+        "",
+    ]
     lines += [
         f"- {path}: CRAG off {v['off']:.1f}, on {v['on']:.1f}" for path, v in results["allocation_peak_mib"].items()
     ]
@@ -232,6 +255,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", default="eval-out/bench_engine", help="folder for bench_engine.json and .md")
     parser.add_argument("--grader", default=None, help="also measure the reader cascade of this grader directory")
     parser.add_argument("--grader-calibration", default=None, help="its calibration (calibrate --scorer reader:DIR)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        help="measure only the rows whose name holds this text (repeatable; e.g. --only 'engine default')",
+    )
     args = parser.parse_args(argv)
 
     judge_llm, described = default_llm()
@@ -293,6 +322,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ),
         ),
     }
+    if args.only:
+        configurations = {
+            name: pair for name, pair in configurations.items() if any(part in name for part in args.only)
+        }
     reader = None
     if args.grader:
         from llama_index_crag.scorers.reader import ReaderScorer
@@ -327,6 +360,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pairs["LLM judge (SmolLM2, 1 call per chunk)"] = compare(off, judge, sample[: args.judge_queries], "llm-judge")
         rss["LLM-judge runs"] = peak_rss_mb()
 
+    measured = "bi-encoder" if "bi-encoder" in configurations else next(iter(configurations))
     results = {
         "command": "OMP_NUM_THREADS=1 python benchmarks/bench_engine.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
@@ -338,7 +372,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "configurations": {name: summarize(p) for name, p in pairs.items()},
         "peak_rss_mb": rss,
         "reader_cascade": reader_share,
-        "allocation_peak_mib": allocation_peaks(*configurations["bi-encoder"], pairs["bi-encoder"], per_path=5),
+        "allocation_peak_grader": measured,
+        "allocation_peak_mib": allocation_peaks(*configurations[measured], pairs[measured], per_path=5),
         "pairs": pairs,
     }
     out = Path(args.out)
