@@ -193,15 +193,69 @@ def read_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, 
         raise ConfigError(
             f"calibration file {path} has version {version!r}; this release reads version {CALIBRATION_VERSION}"
         )
-    if scorer_name is not None and data.get("scorer") != scorer_name:
+    fitted = str(data.get("scorer"))
+    if scorer_name is not None and not same_scorer(fitted, scorer_name):
+        mine, theirs = embed_model_of(scorer_name), embed_model_of(fitted)
+        model = (
+            f" (it was fitted with the embedding model {theirs}, the engine embeds with {mine})"
+            if mine and theirs and mine != theirs
+            else ""
+        )
         raise ConfigError(
-            f"calibration file {path} was fitted for scorer {data.get('scorer')!r}, not {scorer_name!r}: "
-            "calibrate again for this scorer"
+            f"calibration file {path} was fitted for scorer {fitted!r}, not {scorer_name!r}{model}: "
+            f"calibrate again for this scorer: {calibrate_command(scorer_name)}"
         )
     missing = [k for k in ("upper", "lower") if k not in data.get("thresholds", {})]
     if missing:
         raise ConfigError(f"calibration file {path} lacks thresholds {missing}")
     return dict(data)
+
+
+#: Where a scorer's name records the embedding model it grades with (a reader's evidence features come last).
+_EMBEDDING_PARTS = ("+evidence:", "evidence:", "bi-encoder:")
+
+
+def embed_model_of(scorer_name: str) -> Optional[str]:
+    """The embedding model a scorer's name records (``evidence:MODEL``, ``bi-encoder:MODEL``, a reader's
+    ``...+evidence:MODEL``); None for a scorer that embeds nothing (an LLM judge, a cross-encoder)."""
+    for part in _EMBEDDING_PARTS:
+        head, found, model = scorer_name.rpartition(part)
+        if found and (part.startswith("+") or not head):
+            return model
+    return None
+
+
+def same_embed_model(first: str, second: str) -> bool:
+    """Whether two recorded embedding models are one: the same name, or two spellings of one model folder."""
+    if first == second:
+        return True
+    a, b = Path(first).expanduser(), Path(second).expanduser()
+    try:
+        return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()
+    except (OSError, ValueError):
+        return False
+
+
+def same_scorer(fitted: str, scorer_name: str) -> bool:
+    """Whether a calibration fitted for ``fitted`` serves ``scorer_name``: the same name, or the same scorer
+    over the same model folder named another way (relative here, absolute where it was calibrated)."""
+    if fitted == scorer_name:
+        return True
+    theirs, mine = embed_model_of(fitted), embed_model_of(scorer_name)
+    if theirs is None or mine is None:
+        return False
+    return fitted[: -len(theirs) or None] == scorer_name[: -len(mine) or None] and same_embed_model(theirs, mine)
+
+
+def calibrate_command(scorer_name: Optional[str]) -> str:
+    """The ``llama-crag calibrate`` command lines that fit a calibration for ``scorer_name``'s embedding model."""
+    model = embed_model_of(scorer_name or "")
+    named = f" --embed-model {model}" if model else ""
+    return (
+        f"`llama-crag calibrate --index INDEX_DIR{named} --synthetic 300` over an index folder of your documents "
+        f"(stored with the index), or `llama-crag calibrate --dataset DIR{named} --out crag-calibration.json` on "
+        "labelled questions (add --synthetic 300 for none), then give the file (calibration_path= or CRAG_CALIBRATION)"
+    )
 
 
 def load_calibration(path: str | Path, scorer_name: Optional[str]) -> Dict[str, Any]:

@@ -19,7 +19,7 @@ from llama_index_crag.errors import DatasetError
 from llama_index_crag.local.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import bi_encoder_of
-from llama_index_crag.settings_sources import CALIBRATION_VERSION
+from llama_index_crag.settings_sources import CALIBRATION_VERSION, embed_model_of
 
 IN_CORPUS = "in-corpus"
 OUT_OF_CORPUS = "out-of-corpus"
@@ -167,13 +167,15 @@ def write_calibration(
     scorer_state: Optional[Mapping[str, Any]] = None,
     strips: Optional[Mapping[str, float]] = None,
 ) -> Dict[str, Any]:
-    """Write the versioned calibration file that ``core.settings_sources.load_calibration`` reads.
+    """Write the versioned calibration file that ``core.settings_sources.load_calibration`` reads; it records the
+    scorer and the embedding model its scores came from (None for a scorer that embeds nothing).
 
     ``strips`` (from ``fit_strip_threshold``) adds the knowledge-strip threshold and
     what it achieved, when the set labels evidence sentences or short answers."""
     data: Dict[str, Any] = {
         "version": CALIBRATION_VERSION,
         "scorer": scorer.name,
+        "embed_model": embed_model_of(scorer.name),
         "normalization": scorer.normalization,
         "thresholds": {"upper": thresholds["upper"], "lower": thresholds["lower"]},
         "targets": dict(targets),
@@ -226,11 +228,19 @@ class StripSet:
         )
 
 
-def labelled_strips(folder: Path | str, batches: Sequence[Batch], min_tokens: int) -> StripSet:
-    """The strips ``StripRefiner`` would cut from each in-corpus batch's gold passages, labelled."""
+def labelled_strips(
+    folder: Path | str | Mapping[str, Mapping[str, Any]], batches: Sequence[Batch], min_tokens: int
+) -> StripSet:
+    """The strips ``StripRefiner`` would cut from each in-corpus batch's gold passages, labelled.
+
+    ``folder`` is a dataset folder, whose ``corpus.jsonl`` rows hold the passages, or those rows by id (``text``
+    and ``title``: an index folder's chunks)."""
     from llama_index_crag.text.strips import decompose
 
-    rows = {str(r["doc_id"]): r for r in read_jsonl(Path(folder) / "corpus.jsonl")}
+    if isinstance(folder, Mapping):
+        rows = dict(folder)
+    else:
+        rows = {str(r["doc_id"]): r for r in read_jsonl(Path(folder) / "corpus.jsonl")}
     found = StripSet()
     for batch in batches:
         if batch.kind != IN_CORPUS:

@@ -18,6 +18,7 @@ from llama_index_crag.settings_sources import (
     OwnSources,
     Sources,
     Values,
+    calibrate_command,
     current_sources,
     described,
     load_calibration,
@@ -90,6 +91,12 @@ class CragSettings(OwnSources):
     # room for a question that quotes a paragraph or an error log; anything longer is a document, not a question,
     # and embedding and grading it would cost every other query on the machine its time.
     max_query_chars: int = Field(default=8000, ge=1, description="Longer queries are refused with a clear error.")
+    split_compound: Flag = Field(
+        default=True,
+        description='A question that asks several things ("When was X founded, and who designed Y?") is answered '
+        "part by part, each retrieved, graded and answered or abstained on alone (text/compound.py).",
+    )
+    max_parts: int = Field(default=4, ge=2, le=10, description="The most parts a compound question is split into.")
     answer_mode: Optional[AnswerMode] = Field(
         default=None,
         description="extract: answer with the best graded strips, quoted with their sources, no generation; "
@@ -214,8 +221,7 @@ class CragSettings(OwnSources):
                     raise ConfigError(
                         f"no thresholds for scorer {scorer_name!r} (the shipped ones were fitted for the bundled "
                         "all-MiniLM-L6-v2 embedding; another embedding model, passed or set as Settings.embed_model, "
-                        "needs its own): calibrate on your labelled questions (llama-crag calibrate --dataset DIR "
-                        "--out crag-calibration.json) and give the file (calibration_path= or CRAG_CALIBRATION), or "
-                        "pass upper= and lower= (CRAG_UPPER, CRAG_LOWER)"
+                        f"needs its own): calibrate for it with {calibrate_command(scorer_name)}; or pass upper= and "
+                        "lower= (CRAG_UPPER, CRAG_LOWER)"
                     ) from exc
                 raise ConfigError(f"invalid CRAG settings: {described(cls, exc, env)}") from exc

@@ -26,6 +26,40 @@ def default_embed_model() -> BaseEmbedding:
     return HuggingFaceEmbedding(model_name=str(bundled_embedding_path()), device="cpu", show_progress_bar=False)
 
 
+def load_embed_model(name: str) -> BaseEmbedding:
+    """The sentence-transformers model ``name`` names, from disk only: a model folder, or a Hugging Face name
+    already in this machine's cache. The bundled MiniLM's name, or its folder, gives the bundled model itself, so
+    that what is fitted for it is what the engine grades with by default.
+
+    Raises:
+        ConfigError: ``name`` is neither a model folder nor a cached model (nothing is downloaded).
+    """
+    from llama_index_crag.errors import ConfigError
+
+    bundled = bundled_embedding_path()
+    folder = Path(name).expanduser()
+    if name in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2") or (
+        folder.exists() and folder.resolve() == bundled.resolve()
+    ):
+        return default_embed_model()
+    if folder.exists() and not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"embedding model {name}: {folder} holds no model (no config.json): name the folder of a "
+            "sentence-transformers or Hugging Face model"
+        )
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    where = str(folder.resolve()) if folder.exists() else name
+    try:
+        return HuggingFaceEmbedding(model_name=where, device="cpu", show_progress_bar=False, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"embedding model {name!r} is neither a model folder nor a model in this machine's Hugging Face cache "
+            "(nothing is downloaded): name the folder that holds it, or fetch it once where a network is allowed "
+            f"(huggingface-cli download {name}) ({type(exc).__name__})"
+        ) from exc
+
+
 def settings_or_default_embed_model() -> BaseEmbedding:
     """``Settings.embed_model`` when one is set, else the bundled MiniLM: the model used wherever none is passed.
 
