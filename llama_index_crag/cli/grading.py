@@ -17,18 +17,51 @@ from llama_index_crag.scorers.reader_model import POOLINGS
 
 def add_parsers(commands: Any) -> None:
     """Add the grading commands to ``llama-crag``'s subparsers."""
-    calibrate = commands.add_parser("calibrate", help="fit the thresholds (and learned weights) on a labelled set")
-    _add_dataset_options(calibrate, several=True)
-    calibrate.add_argument("--scorer", default="evidence", help="evidence, bi-encoder, llm-judge, cross-encoder:MODEL")
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="fit the thresholds (and learned weights) on a labelled set, or on an index folder's own chunks",
+        description="Fits the grader's thresholds (and the evidence scorer's weights) for one scorer and one "
+        "embedding model, on a labelled set (--dataset), on questions made from a corpus (--synthetic N), or on "
+        "questions made from an index folder's chunks (--index INDEX_DIR --synthetic N: the step after llama-crag "
+        "ingest; the file is stored with the index, and the engine over it grades with it).",
+    )
+    _add_dataset_options(calibrate, several=True, required=False)
+    calibrate.add_argument(
+        "--index",
+        metavar="INDEX_DIR",
+        default=None,
+        help="an index folder written by llama-crag ingest (instead of --dataset, with --synthetic N): its chunks "
+        "are the corpus, its embedding model retrieves, and the calibration is stored in it unless --out names "
+        "another file",
+    )
+    calibrate.add_argument(
+        "--embed-model",
+        metavar="NAME_OR_PATH",
+        default=None,
+        help="the embedding model the engine will embed with: a sentence-transformers model's folder, or its "
+        "Hugging Face name when it is in this machine's cache (nothing is downloaded); default: the bundled "
+        "all-MiniLM-L6-v2, or with --index the index's own model",
+    )
+    calibrate.add_argument(
+        "--scorer",
+        default=None,
+        help="evidence, bi-encoder, llm-judge, cross-encoder:MODEL, reader:DIR, packaged; default: evidence, or with "
+        "--index the grader the engine over the index uses",
+    )
     calibrate.add_argument(
         "--synthetic",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="no labels needed: make N questions from the corpus's own sentences (named dates, people, numbers...) "
         "and fit on them; questions.jsonl is not read",
     )
-    calibrate.add_argument("--out", default="calibration.json", help="where to write the calibration file")
+    calibrate.add_argument(
+        "--out",
+        default=None,
+        help="where to write the calibration file (default: calibration.json); with --index and no --out, into the "
+        "index folder, where the engine over it finds it",
+    )
     calibrate.set_defaults(run=_calibrate)
 
     train = commands.add_parser(
@@ -158,11 +191,11 @@ def add_parsers(commands: Any) -> None:
     snippets.set_defaults(run=_snippets)
 
 
-def _add_dataset_options(parser: argparse.ArgumentParser, several: bool = False) -> None:
+def _add_dataset_options(parser: argparse.ArgumentParser, several: bool = False, required: bool = True) -> None:
     if several:
         parser.add_argument(
             "--dataset",
-            required=True,
+            required=required,
             action="append",
             help="folder with corpus.jsonl and questions.jsonl; give it again to fit one calibration on several "
             "sets, each counting the same",
@@ -208,13 +241,24 @@ def _targets(args: argparse.Namespace) -> dict:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from llama_index_crag.calibration.calibrate import run_calibration
+    from llama_index_crag.local.models import load_embed_model
 
-    if Path(args.out).is_dir():  # found before the fit, not when its result is written
+    if args.index and args.dataset:
+        raise ConfigError("calibrate reads --dataset DIR or --index INDEX_DIR, not both: name one")
+    if not args.index and not args.dataset:
+        raise ConfigError(
+            "calibrate needs --dataset DIR (labelled questions, or a corpus with --synthetic N) or --index INDEX_DIR "
+            "--synthetic N (an index folder written by llama-crag ingest)"
+        )
+    if args.out and Path(args.out).is_dir():  # found before the fit, not when its result is written
         raise ConfigError(f"--out {args.out} is a folder: name the calibration file to write")
+    if args.index:
+        return _calibrate_index(args)
+    out = Path(args.out or "calibration.json")
     data = run_calibration(
         [Path(d) for d in args.dataset],
-        args.scorer,
-        Path(args.out),
+        args.scorer or "evidence",
+        out,
         args.k,
         args.limit,
         args.split,
@@ -222,7 +266,67 @@ def _calibrate(args: argparse.Namespace) -> int:
         args.progress,
         args.strip_min_tokens,
         args.synthetic,
+        load_embed_model(args.embed_model) if args.embed_model else None,
     )
+    _report_calibration(data, out)
+    return 0
+
+
+def _calibrate_index(args: argparse.Namespace) -> int:
+    """``calibrate --index``: synthetic questions over an index folder's chunks, the file stored in the folder."""
+    from llama_index_crag.calibration.calibrate import calibrate_index
+    from llama_index_crag.core.persisted import index_scorer
+    from llama_index_crag.local.models import load_embed_model
+    from llama_index_crag.scorers.registry import check_spec, from_spec
+    from llama_index_crag.settings_sources import same_embed_model
+    from llama_index_crag.stores.folder import CALIBRATION, index_embed_model, load_index, record_calibration
+
+    if args.synthetic is None:
+        raise ConfigError(
+            f"--index fits on questions made from the index's chunks: add --synthetic N (300 is a good start), e.g. "
+            f"llama-crag calibrate --index {args.index} --synthetic 300"
+        )
+    if args.limit is not None or args.split != "all":
+        raise ConfigError(
+            "--limit and --split choose questions of a --dataset; with --index, --synthetic N says how many"
+        )
+    embedded_with = index_embed_model(args.index)
+    model = load_embed_model(args.embed_model or embedded_with)
+    if not same_embed_model(model.model_name, embedded_with):
+        raise ConfigError(
+            f"{args.index} was embedded with {embedded_with}, not {args.embed_model}: the engine over it searches "
+            f"with that model, so calibrate for it (drop --embed-model), or ingest the documents into another folder "
+            f"with {args.embed_model} (stores.folder.ingest(..., embed_model=)) and calibrate that one"
+        )
+    loaded = load_index(args.index, model)
+    into_index = not args.out
+    if into_index and args.scorer is not None:
+        engine = index_scorer(loaded).name
+        spec = check_spec(args.scorer)
+        given = from_spec(spec, loaded.embed_model).name if spec.partition(":")[0] in _INDEX_SCORERS else spec
+        if given != engine:
+            raise ConfigError(
+                f"the engine over {args.index} grades with {engine}, not {given}: drop --scorer to calibrate the "
+                "index's own grader, or write this calibration elsewhere with --out FILE"
+            )
+    out = loaded.index_dir / CALIBRATION if into_index else Path(args.out)
+    data = calibrate_index(
+        loaded, args.synthetic, out, args.scorer, args.k, _targets(args), args.progress, args.strip_min_tokens
+    )
+    if into_index:
+        record_calibration(loaded.index_dir)
+    _report_calibration(data, out)
+    if into_index:
+        print(f"Stored with the index: the engine over {args.index} (llama-crag serve --index, load_engine) uses it.")
+    return 0
+
+
+#: The scorers an engine over an index folder may grade with (``load_engine``: the evidence features, or a reader
+#: behind them); another spec is named as given.
+_INDEX_SCORERS = ("default", "evidence", "packaged", "reader")
+
+
+def _report_calibration(data: dict, out: Path) -> None:
     t, a = data["thresholds"], data["achieved"]
     print(f"Scorer {data['scorer']}: upper={t['upper']:.4f} lower={t['lower']:.4f}")
     if "strip_threshold" in t:
@@ -234,9 +338,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(
         f"Achieved on {sum(data['samples'].values())} batches {data['samples']}: precision of CORRECT "
         f"{a['precision_correct']:.3f}, recall of INCORRECT {a['recall_incorrect']:.3f}, batches with the answer "
-        f"graded INCORRECT {a.get('false_reject', 0.0):.3f}. Wrote {args.out}."
+        f"graded INCORRECT {a.get('false_reject', 0.0):.3f}. Wrote {out}."
     )
-    return 0
 
 
 def _train_grader(args: argparse.Namespace) -> int:

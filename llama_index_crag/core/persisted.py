@@ -24,13 +24,20 @@ from llama_index_crag.stores.folder import CORPUS_STATS, LoadedIndex
 from llama_index_crag.stores.postgres.store import DEFAULT_TABLE, PostgresStore
 
 
-def load_engine(loaded: LoadedIndex, llm: Optional[LLM], **settings: Any) -> CorrectiveQueryEngine:
-    """The engine over a loaded index: its scorer (the recorded grader, else the evidence scorer) with the
-    persisted corpus statistics, its calibration, and the fallback over its chunks."""
+def index_scorer(loaded: LoadedIndex) -> EvidenceScorer:
+    """The scorer an engine over ``loaded`` grades with: the recorded grader, else the evidence scorer, over the
+    index's embedding model and with its persisted corpus statistics (``llama-crag calibrate --index`` fits it)."""
     scorer = default_scorer(loaded.embed_model, grader=loaded.manifest.get("grader"))
     if not isinstance(scorer, EvidenceScorer):  # every default (evidence, a reader cascade) weighs words by IDF
         raise IndexFolderError(f"{loaded.index_dir}: the grader {scorer.name} cannot use the index's word statistics")
     scorer.load_corpus_stats(json.loads((loaded.index_dir / CORPUS_STATS).read_text()))
+    return scorer
+
+
+def load_engine(loaded: LoadedIndex, llm: Optional[LLM], **settings: Any) -> CorrectiveQueryEngine:
+    """The engine over a loaded index: its scorer (``index_scorer``), its calibration, and the fallback over its
+    chunks."""
+    scorer = index_scorer(loaded)
     return CorrectiveQueryEngine.from_defaults(
         index=loaded.index,
         nodes=loaded.nodes,

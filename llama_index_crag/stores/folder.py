@@ -616,6 +616,19 @@ class LoadedIndex:
         }
 
 
+def index_embed_model(index_dir: Path | str) -> str:
+    """The embedding model an index folder was embedded with, as its manifest records it (nothing is loaded)."""
+    return str(_manifest(Path(index_dir))["embed_model"])
+
+
+def record_calibration(index_dir: Path | str) -> None:
+    """Name the folder's ``calibration.json`` (written by ``llama-crag calibrate --index``) in its manifest, so
+    that ``load_engine`` grades with it."""
+    manifest = _manifest(Path(index_dir))
+    manifest["calibration"] = CALIBRATION
+    _write_json(Path(index_dir) / MANIFEST, manifest)
+
+
 def load_index(index_dir: Path | str, embed_model: Optional[BaseEmbedding] = None) -> LoadedIndex:
     """Load an index folder written by ``ingest``."""
     index_dir = Path(index_dir)
