@@ -5,32 +5,102 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llama_index_crag.scorers.answer_type import answer_type, asked_kinds, constraints, holds_kind, turned_round
 from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer
+
+from .check_halves import check_half
 
 BRIDGE_DATE = "The Kestrel Bridge in Farrow opened in 1887."
 BRIDGE_LENGTH = "The Kestrel Bridge in Farrow spans 312 metres across the Lune estuary."
 
 
-@pytest.mark.parametrize(
-    ("question", "kinds"),
-    [
-        ("How long is the Kestrel Bridge in Farrow?", {"length", "duration"}),
-        ("How long did the June 2023 EU-2 outage last?", {"duration"}),
-        ("In what year did the bridge open?", {"year"}),
-        ("When did the office open?", {"date"}),
-        ("Since when has the office been open?", {"date"}),
-        ("Who can enforce the law when member states provide lesser rights?", {"person"}),
-        ("Who chairs the cooperative?", {"person"}),
-        ("Where is the head office?", {"place"}),
-        ("How many families founded it?", {"count"}),
-        ("What was Harbor's ARR at the end of Q3 2023?", {"amount"}),
-        ("What percentage of members voted?", {"percent"}),
-    ],
+#: Filler words that hold no figure, date or name, for text around a value a test inserts.
+FILLER = st.lists(
+    st.sampled_from("the report said that our green river office walked quietly across an old bridge with".split()),
+    max_size=8,
+).map(" ".join)
+FIGURES = st.one_of(
+    st.integers(min_value=0, max_value=10**7).map(str),
+    st.integers(min_value=1000, max_value=10**7).map("{:,}".format),
+    st.builds("{}.{}".format, st.integers(0, 99), st.integers(0, 9)),
 )
-def test_the_question_says_what_kind_of_answer_it_asks_for(question: str, kinds: set) -> None:
-    assert asked_kinds(question) == frozenset(kinds)
+NUMBERS = st.one_of(
+    FIGURES,
+    st.sampled_from(["three", "twenty-one", "forty five", "a dozen", "hundreds", "several", "a few", "one hundred"]),
+)
+DAYS = st.integers(min_value=1, max_value=28)
+HOURS = st.integers(min_value=1, max_value=12)
+#: A question that asks for each kind, and values of that kind as passages write them.
+ASKED = {
+    "count": ("How many people came to the meeting?", NUMBERS),
+    "length": (
+        "How tall is the tower?",
+        st.builds(
+            "{} {}".format, NUMBERS, st.sampled_from(["metres", "km", "feet", "miles", "nautical miles", "acres"])
+        ),
+    ),
+    "duration": (
+        "How long did the siege last?",
+        st.builds("{} {}".format, NUMBERS, st.sampled_from(["seconds", "minutes", "hours", "days", "weeks", "years"])),
+    ),
+    "percent": (
+        "What percentage of members voted?",
+        st.builds("{}{}".format, FIGURES, st.sampled_from(["%", " per cent"])),
+    ),
+    "amount": (
+        "How much did the bridge cost?",
+        st.one_of(st.integers(1, 10**6).map("${}".format), st.integers(1, 999).map("{} million".format)),
+    ),
+    "year": ("In what year did the bridge open?", st.integers(min_value=1000, max_value=2099).map(str)),
+    "date": (
+        "When did the office open?",
+        st.one_of(
+            st.integers(min_value=1000, max_value=2099).map(str),
+            st.sampled_from(["March", "October", "Sunday", "noon", "six in the morning"]),
+            st.builds("{}/{}/2021".format, DAYS, st.integers(1, 12)),
+            st.builds("{}:{:02d}".format, HOURS, st.integers(0, 59)),
+            st.builds("{} pm".format, HOURS),
+        ),
+    ),
+    "person": (
+        "Who chairs the cooperative?",
+        st.builds(
+            "{} {}".format, st.sampled_from(["Ingrid", "Miriam", "Tomas"]), st.sampled_from(["Halvorsen", "Okafor"])
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(ASKED))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), before=FILLER, after=FILLER)
+def test_a_value_of_the_kind_asked_is_found_wherever_it_stands_in_a_passage(
+    kind: str, data: st.DataObject, before: str, after: str
+) -> None:
+    question, values = ASKED[kind]
+    kinds = asked_kinds(question)
+    assert kinds is not None and kind in kinds
+    value = data.draw(values)
+    assert holds_kind(kinds, f"the {before} {value} {after}.", question)
+    assert not holds_kind(kinds, f"the {before} {after}.", question)
+
+
+def test_the_kind_a_question_asks_is_the_kind_of_its_own_answer_far_more_often_than_another_questions() -> None:
+    # SQuAD 2.0's check half, the answerable questions that ask a kind: each gold answer against the kinds asked by
+    # the next question that asks another. Measured 2026-12: 13 of 20 against 3 of 20.
+    questions, _ = check_half("squad2")
+    asking = [q for q in questions if q.answerable and asked_kinds(q.question)]
+    kinds = [k for k in (asked_kinds(q.question) for q in asking) if k is not None]
+    own = other = 0
+    for i, question in enumerate(asking):
+        others = kinds[i + 1 :] + kinds[:i]
+        another = next((k for k in others if k != kinds[i]), kinds[i])
+        own += any(holds_kind(kinds[i], a, question.question) for a in question.answers)
+        other += any(holds_kind(another, a, question.question) for a in question.answers)
+    assert len(asking) >= 15 and own >= 3 * other and own >= len(asking) / 2, (own, other, len(asking))
 
 
 @pytest.mark.parametrize(
@@ -57,22 +127,11 @@ def test_until_when_is_answered_by_a_date_or_an_event_so_it_asks_for_no_kind() -
     assert asked_kinds("The office stayed open till when?") is None
 
 
-@pytest.mark.parametrize(
-    ("question", "text", "holds"),
-    [
-        ("how many people died in the fire", "Over fifty people died in the fire.", True),
-        ("How many people died in the fire?", "Hundreds of people died in the fire.", True),
-        ("How many people died in the fire?", "Thirty-two people died in the fire.", True),
-        ("How long did the siege last?", "The siege lasted forty-five days.", True),
-        # "how many days" asks for a duration: a date's day is not one.
-        ("how many days did the warsaw uprising last", "The struggle went on for 63 days.", True),
-        ("how many days did the warsaw uprising last", "On 1 August 1944 the Warsaw Uprising began.", False),
-        ("How many people died in the fire?", "The fire destroyed the old town.", False),
-    ],
-)
-def test_a_number_written_in_words_is_a_number(question: str, text: str, holds: bool) -> None:
+def test_how_many_days_asks_for_a_duration_that_a_dates_day_does_not_answer() -> None:
+    question = "how many days did the warsaw uprising last"
     kinds = asked_kinds(question)
-    assert kinds is not None and holds_kind(kinds, text, question) is holds
+    assert kinds is not None and holds_kind(kinds, "The struggle went on for 63 days.", question)
+    assert not holds_kind(kinds, "On 1 August 1944 the Warsaw Uprising began.", question)
 
 
 def test_a_length_asked_and_only_a_date_present_is_not_an_answer() -> None:
@@ -181,16 +240,6 @@ def test_the_evidence_scorer_prefers_the_passage_that_holds_the_kind_asked() -> 
     assert rows[0, kind] == 0.0 and rows[1, kind] == 1.0
     date_score, length_score = scorer.score_texts(question, [BRIDGE_DATE, BRIDGE_LENGTH])
     assert length_score > date_score
-
-
-@pytest.mark.parametrize(
-    "passage", ["The harbor opens at six in the morning.", "Doors open at 9:30.", "It closes by 5 pm."]
-)
-def test_a_time_of_day_answers_a_when_question(passage: str) -> None:
-    from llama_index_crag.scorers.answer_type import PATTERNS
-
-    assert PATTERNS["date"].search(passage)
-    assert not PATTERNS["date"].search("The harbor has six berths and a crane.")
 
 
 def test_a_claim_is_not_turned_round_by_the_passage_that_refutes_it() -> None:

@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from llama_index.core import VectorStoreIndex
 from llama_index.core.llms import MockLLM
 from llama_index.core.schema import NodeWithScore, TextNode
@@ -43,6 +45,7 @@ from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.text.split import split_sentences
 
+from .check_halves import check_half, scifact_sentences
 from .conftest import ALPHA, BETA, Answering, MarkerScorer, ScriptedLLM, make_engine
 
 QUESTION = "What is the alpha project budget?"
@@ -231,26 +234,48 @@ def test_an_older_answer_model_folder_quotes_at_its_threshold_whatever_the_grade
     assert loaded.threshold(1.5) == pytest.approx(0.4) == pytest.approx(loaded.threshold(0.0))
 
 
+#: Filler words that hold no figure, code or name, for text around what a test inserts.
+FILLER = st.lists(
+    st.sampled_from("the report said that our green river office walked quietly across an old bridge with".split()),
+    max_size=8,
+).map(" ".join)
+#: Codes and figures as questions name them: "Q3", "EU-2", "A-769662", "SHP2", "2023".
+CODES = st.builds(
+    lambda letters, hyphen, digits: f"{letters}{'-' if hyphen and letters else ''}{digits}",
+    st.text(alphabet="ABCDEGHKLPQSTUX", max_size=3),
+    st.booleans(),
+    st.integers(min_value=1, max_value=999_999).map(str),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(code=CODES, before=FILLER, after=FILLER, hyphenless=st.booleans())
+def test_a_code_the_question_names_is_stated_by_a_strip_that_holds_it_hyphens_or_none(
+    code: str, before: str, after: str, hyphenless: bool
+) -> None:
+    stated = code.replace("-", "") if hyphenless else code
+    assert states_codes(f"What does {before} {code} {after} say?", f"{after} {stated.lower()} {before}.")
+
+
+@settings(max_examples=200, deadline=None)
+@given(code=CODES, before=FILLER, after=FILLER)
+def test_a_strip_with_another_figure_in_the_code_does_not_state_it(code: str, before: str, after: str) -> None:
+    other = code[:-1] + str((int(code[-1]) + 1) % 10)  # EU-2 -> EU-3, 2023 -> 2024
+    assert not states_codes(f"What does {before} {code} {after} say?", f"{before} {other} {after}.")
+
+
 @pytest.mark.parametrize(
     ("question", "text", "states"),
     [
-        ("What was the ARR in Q2 2023?", "ARR reached $61.4 million at the end of Q2 2023.", True),
-        ("What was the ARR in Q2 2023?", "ARR reached $70.2 million at the end of Q3 2023.", False),
-        ("Which SDK version does the guide install?", "The guide installs version 4.3.1 of the SDK.", True),
         ("Does a 40mg/day dose of folic acid help?", "Participants received 40 mg of folic acid daily.", True),
-        ("Does a 40mg/day dose of folic acid help?", "Participants received 4 mg of folic acid daily.", False),
         ("76-85% of serious cases receive no treatment.", "76.3% to 85.4% of serious cases had none.", True),
         ("76-85% of serious cases receive no treatment.", "76.3% of serious cases had none.", False),
-        # A code's hyphens are spelling, and a word joined to it only describes it; its letters and digits are not.
-        ("C2 works with A-769662 to activate AMPK.", "C2 acts synergistically with the drug A769662.", True),
-        ("GATA3 regulates stem cell renewal.", "GATA-3 is required for the maintenance of LT-HSCs.", True),
         ("Sirt1 acts in Sf1-expressing neurons.", "Mice overexpressing SIRT1 in SF1 neurons resist obesity.", True),
-        ("GATA3 regulates stem cell renewal.", "GATA-2 is required for the maintenance of LT-HSCs.", False),
-        ("How long did the EU-2 outage last?", "The EU-3 outage lasted 4 hours.", False),
         ("How fast is a P1 ticket answered?", "Harbor is hosted in AP-1, Sydney, within 4 hours.", False),
     ],
+    ids=["unit-apart", "range-by-its-ends", "range-one-end", "describing-suffix", "code-inside-another"],
 )
-def test_the_codes_feature_says_whether_a_strip_states_the_figures_and_codes_asked(
+def test_the_codes_feature_reads_units_ranges_and_suffixes_as_written_in_papers(
     question: str, text: str, states: bool
 ) -> None:
     assert states_codes(question, text) is states
@@ -295,10 +320,36 @@ def test_the_answer_features_read_the_kind_of_answer_the_names_and_the_strip_its
 def test_the_packaged_answer_model_loads_with_its_checksum_notice_and_decision() -> None:
     model = packaged_answer_model()
     # Evidence the grader was less sure of needs a strip that shows more (fitted on the design halves).
-    assert model.info["decision"]["grade_weight"] > 0 and "design halves" in model.info["decision_chosen_on"]
-    assert 0.0 <= model.decision.threshold(1.0) <= model.decision.threshold(0.0) < 1.0
-    assert model.info["held_out_auroc"] > model.info["held_out_auroc_coverage_alone"]
+    assert 0.0 <= model.decision.threshold(1.0) < model.decision.threshold(0.0) < 1.0
     assert "CC BY-SA 4.0" in (PACKAGED_DIR / "NOTICE").read_text(encoding="utf-8")
+
+
+def _auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """The chance that a labelled row scores above an unlabelled one (ties count half)."""
+    values, chosen = np.asarray(scores, dtype=np.float64), np.asarray(labels, dtype=bool)
+    above = values[chosen][:, None] - values[~chosen][None, :]
+    return float((above > 0).mean() + 0.5 * (above == 0).mean())
+
+
+def test_the_answer_model_tells_the_answering_sentence_from_its_neighbours_better_than_its_length() -> None:
+    # Every sentence of an answerable question's own passage, on SQuAD 2.0's check half: the sentence that holds
+    # the answer against its neighbours. Measured 2026-12: AUROC 0.85 for the model, 0.66 for length alone.
+    questions, documents = check_half("squad2")
+    scorer = EvidenceScorer(corpus=list(documents.values()))
+    probabilities: List[float] = []
+    lengths: List[float] = []
+    answers: List[bool] = []
+    for question in questions:
+        if not question.answerable or not question.relevant_doc_ids:
+            continue
+        sentences = split_sentences(documents[question.relevant_doc_ids[0]])
+        rows = answer_features(question.question, [Candidate(s, s) for s in sentences], scorer)
+        probabilities += list(packaged_answer_model().probabilities(rows))
+        lengths += [len(s.split()) for s in sentences]
+        answers += [any(a in s for a in question.answers) for s in sentences]
+    assert sum(answers) >= 50 and len(answers) - sum(answers) >= 100
+    model, baseline = _auroc(probabilities, answers), _auroc(lengths, answers)
+    assert model >= baseline + 0.1 and model >= 0.75, (model, baseline)
 
 
 def test_an_answer_model_whose_weights_do_not_match_their_checksum_is_refused(tmp_path: Path) -> None:
@@ -384,25 +435,65 @@ def test_an_unknown_quote_preset_is_refused() -> None:
         EvidenceQuoter(EvidenceScorer(), preset="abstracts")
 
 
+#: What each structured-abstract rule tells from a finding: a strip that must not be quoted as the evidence for a
+#: claim, since it says what a study set out to learn, how it was done, what was known before it or what is not
+#: yet known.
+NOT_FINDINGS = {
+    "aim": states_an_aim,
+    "methods": describes_methods,
+    "background": gives_background,
+    "gap": states_a_gap,
+}
+
+
+@pytest.mark.parametrize("rule", list(NOT_FINDINGS))
+def test_a_rule_that_tells_what_is_not_a_finding_almost_never_fires_on_a_scifact_rationale(rule: str) -> None:
+    # SciFact's check half: every sentence of the abstracts its claims cite, the annotators' rationale sentences
+    # against the rest. Measured 2026-12, rationales flagged against other sentences: aim 0/298 and 73/2388,
+    # methods 0/298 and 328/2388, background 2/298 and 99/2388, gap 0/298 and 81/2388.
+    sentences = scifact_sentences()
+    questions, _ = check_half("scifact")
+    flagged = {True: 0, False: 0}
+    seen = {True: 0, False: 0}
+    for claim in questions:
+        for doc, rationale in claim.evidence.items():
+            for i, sentence in enumerate(sentences[doc]):
+                seen[i in rationale] += 1
+                flagged[i in rationale] += NOT_FINDINGS[rule](claim.question, sentence)
+    assert seen[True] >= 200 and seen[False] >= 1000, seen
+    rationales, others = flagged[True] / seen[True], flagged[False] / seen[False]
+    assert others >= 0.02 and rationales * 4 <= others, (flagged, seen)
+
+
 @pytest.mark.parametrize(
-    ("question", "text", "aim"),
+    ("rule", "question", "text", "fires"),
     [
-        ("mtDNA levels are associated with mortality.", "We hypothesized that mtDNA levels would predict death.", True),
-        ("Macrolides raise the risk of IHPS.", "OBJECTIVE To assess the association of macrolides with IHPS.", True),
-        ("Macrolides raise the risk of IHPS.", "This study was designed to test whether macrolides raise it.", True),
         # Abstracts exported to JSON twice over hold their line breaks as the two characters "\n".
-        ("Macrolides raise the risk of IHPS.", "\\n OBJECTIVE To assess the association of macrolides.", True),
-        ("Does smoking cause cancer?", "Does smoking cause cancer?", True),
-        ("Macrolides raise the risk of IHPS.", "Macrolide use was associated with IHPS (OR 2.3).", False),
-        ("Macrolides raise the risk of IHPS.", "The aim of the law was to prevent cut throat competition.", False),
-        ("Who puts questions?", 'The Officer puts questions, asking "Are we all agreed?', False),
-        # A question about the aim itself is answered by it.
-        ("What did the study aim to show?", "This study aimed to show that macrolides raise the risk.", False),
-        ("Why was the trial run?", "We sought to test whether macrolides raise the risk.", False),
+        ("aim", "Macrolides raise the risk of IHPS.", "\\n OBJECTIVE To assess the association of macrolides.", True),
+        ("aim", "What did the study aim to show?", "This study aimed to show that macrolides raise the risk.", False),
+        ("methods", "Macrolides raise the risk of IHPS.", "DESIGN Population-based cohort of 1 million infants.", True),
+        ("methods", "How many infants took part?", "DESIGN Population-based cohort of 1 million infants.", False),
+        ("methods", "Aspirin lowers the risk of cancer.", "MAIN OUTCOMES Cancer. RESULTS Aspirin lowered it.", False),
+        ("methods", "Macrolides raise the risk of IHPS.", "RESULTS Macrolide use raised the risk (RR 3.4).", False),
+        ("methods", "Amitriptyline treats headache.", "Forty-one sufferers were randomly assigned to it.", True),
+        ("background", "H. pylori causes gastric cancer.", "\\n BACKGROUND & AIMS H. pylori is a cause.", True),
+        ("background", "Anthrax spores stay deadly.", "Background radiation was higher in the Hart building.", False),
+        ("background", "Why was the Hart building studied?", "CONTEXT Attacks contaminated the Hart building.", False),
+        ("gap", "AMPK reduces lung fibrosis.", "However, the role of AMPK in fibrosis is not well understood.", True),
+        ("gap", "Niches are round.", "Niches are round. Their size is set by consumers. Why is unknown.", False),
+        ("gap", "Who did not know of the Rhine?", "The Rhine was not known to Herodotus.", False),
     ],
-)
-def test_what_a_writer_set_out_to_learn_is_told_from_what_it_found(question: str, text: str, aim: bool) -> None:
-    assert states_an_aim(question, text) is aim
+    ids=[
+        "aim-label-after-an-escaped-line-break", "aim-asked-about", "methods-label", "methods-asked-about",
+        "methods-running-on-into-results", "results-label", "methods-unlabelled",
+        "background-label-after-an-escaped-line-break", "background-as-a-plain-word", "background-asked-about",
+        "gap", "gap-after-a-finding", "gap-asked-about",
+    ],
+)  # fmt: skip
+def test_what_is_not_a_finding_is_told_by_its_label_and_by_what_was_asked(
+    rule: str, question: str, text: str, fires: bool
+) -> None:
+    assert NOT_FINDINGS[rule](question, text) is fires
 
 
 def quoted_over(claim: str, distractor: str, finding: str) -> List[str]:
@@ -425,91 +516,6 @@ def test_the_quoter_never_quotes_a_hypothesis_for_the_finding() -> None:
     hypothesis = "We hypothesized that elevated cell-free mitochondrial DNA levels are associated with mortality."
     finding = "In intensive care, patients with elevated mitochondrial DNA levels died more often within 28 days."
     assert quoted_over(claim, hypothesis, finding) == [finding]
-
-
-@pytest.mark.parametrize(
-    ("question", "text", "methods"),
-    [
-        ("Macrolides raise the risk of IHPS.", "DESIGN Population-based cohort study of 1 million infants.", True),
-        ("Macrolides raise the risk of IHPS.", "\\n DESIGN, SETTING, AND PARTICIPANTS Cohort of infants.", True),
-        ("Macrolides raise the risk of IHPS.", "MAIN OUTCOME MEASURES Incidence of IHPS in infants.", True),
-        ("Macrolides raise the risk of IHPS.", "Methods: a cohort of 1 million infants was followed.", True),
-        ("Macrolides raise the risk of IHPS.", "METHODS AND FINDINGS Data for 147 countries were analysed.", True),
-        ("Folic acid does not affect kidney disease.", "INTERVENTION Participants received 40 mg of folic acid.", True),
-        ("Folic acid does not affect kidney disease.", "PATIENTS AND METHODS Patients received folic acid.", True),
-        ("Folic acid does not affect kidney disease.", "Design, Setting, and Participants Prospective cohort.", True),
-        ("Folic acid does not affect kidney disease.", "Participants 1309 practices in England took part.", True),
-        ("ABPM is inaccurate.", "Eligibility criteria for selecting studies Eligible studies examined adults.", True),
-        # A strip that runs on into its results states a finding.
-        ("Aspirin lowers the risk of colorectal cancer.", "MAIN OUTCOMES Cancer. RESULTS Aspirin lowered it.", False),
-        ("Aspirin lowers the risk of colorectal cancer.", "Design: cohort. Results: aspirin lowered it.", False),
-        # A sentence that opens with a section's word is not a label; results and conclusions are findings.
-        ("Macrolides raise the risk of IHPS.", "Patients given macrolides had IHPS more often (RR 3.4).", False),
-        ("Macrolides raise the risk of IHPS.", "RESULTS Macrolide use raised the risk of IHPS (RR 3.4).", False),
-        ("Macrolides raise the risk of IHPS.", "CONCLUSIONS Design aside, macrolides raise the risk.", False),
-        # A question may be answered by how a study was done.
-        ("How many infants took part?", "DESIGN Population-based cohort study of 1 million infants.", False),
-        ("The trial enrolled 1 million infants", "PARTICIPANTS 1 million infants born in Denmark.", True),
-        ("Macrolides raise the risk of IHPS.", "Methodology: 340 infants were studied in one centre.", True),
-        # Unlabelled, a sentence that only says what was done is methods too; one that reports a finding is not.
-        ("Folate lowers homocysteine.", "Fasting blood samples for folate analysis were taken at 3 months.", True),
-        ("Amitriptyline treats headache.", "We compared amitriptyline in 82 patients in an open-label study.", True),
-        ("Amitriptyline treats headache.", "Forty-one sufferers were randomly assigned to amitriptyline.", True),
-        ("Amitriptyline treats headache.", "Amitriptyline significantly reduced the frequency of headache.", False),
-        ("Amitriptyline treats headache.", "We found that amitriptyline was effective in chronic headache.", False),
-        ("Amitriptyline treats headache.", "Patients given amitriptyline were followed for longer (P < 0.05).", False),
-        ("BCL-2 drives leukemia.", "Using ChIP-seq, we identified two GEFs as key molecules of the leukemia.", False),
-        ("How were the sufferers assigned?", "Forty-one sufferers were randomly assigned to amitriptyline.", False),
-    ],
-)
-def test_how_a_study_was_done_is_told_from_what_it_found(question: str, text: str, methods: bool) -> None:
-    assert describes_methods(question, text) is methods
-
-
-@pytest.mark.parametrize(
-    ("question", "text", "gap"),
-    [
-        ("AMPK reduces lung fibrosis.", "However, the role of AMPK in fibrosis is not well understood.", True),
-        ("Bariatric surgery harms mental health.", "Whether it affects mental health remains unknown.", True),
-        ("Untreated mental disorders are common.", "CONTEXT Little is known about untreated mental disorders.", True),
-        ("Macrophages guard the heart.", "Organ-specific functions of macrophages in the heart are unknown.", True),
-        ("AR drives prostate cancer.", "However, the determinants of AR overexpression are poorly defined.", True),
-        ("Immunosuppression shortens survival.", "CONTEXT Whether it affects survival is unclear.", True),
-        ("AMPK reduces lung fibrosis.", "AMPK activation reversed established lung fibrosis in mice.", False),
-        # Its first sentence says what a strip is: findings that name a gap further on are findings.
-        ("Cytokine niches are round.", "Niches are round. Their size is set by consumers. Why is unknown.", False),
-        # A question may be answered by what was not known.
-        ("Who did not know of the Rhine?", "The Rhine was not known to Herodotus.", False),
-    ],
-)
-def test_what_is_not_yet_known_is_told_from_what_was_found(question: str, text: str, gap: bool) -> None:
-    assert states_a_gap(question, text) is gap
-
-
-@pytest.mark.parametrize(
-    ("question", "text", "background"),
-    [
-        ("Bariatric surgery reduces cancer.", "BACKGROUND Bariatric surgery is becoming more widespread.", True),
-        ("H. pylori causes gastric cancer.", "\\n BACKGROUND & AIMS H. pylori is an etiologic factor.", True),
-        ("Ovarian reserve predicts infertility.", "Importance Despite lack of evidence, biomarkers are sold.", True),
-        ("Ovarian reserve predicts infertility.", "Background and Purpose Biomarkers are sold.", True),
-        ("Anthrax spores stay deadly.", "CONTEXT Bioterrorist attacks contaminated the Hart building.", True),
-        ("Anthrax spores stay deadly.", "Background: attacks contaminated the Hart building.", True),
-        # Unlabelled, what earlier work found or what is generally held is background too.
-        ("Autophagy shapes insulin resistance.", "A recent study has shown more autophagy in obese fat.", True),
-        ("Macrophages renew themselves.", "The dogma remains that macrophages derive from monocytes.", True),
-        ("T6SS kills cells.", "The T6SS is thought to attack cells with a spike.", True),
-        ("T6SS kills cells.", "Here we show that the T6SS kills cells with a spike.", False),
-        # A sentence that opens with the word is not a label, and a strip that runs on into its results states one.
-        ("Anthrax spores stay deadly.", "Background radiation was higher in the Hart building.", False),
-        ("Anthrax spores stay deadly.", "Context matters: spores stayed viable for weeks.", False),
-        ("Anthrax spores stay deadly.", "BACKGROUND Attacks. RESULTS Spores stayed viable for weeks.", False),
-        # A question may be answered by what was known before.
-        ("Why was the Hart building studied?", "CONTEXT Bioterrorist attacks contaminated the Hart building.", False),
-    ],
-)
-def test_what_was_known_before_a_study_is_told_from_what_it_found(question: str, text: str, background: bool) -> None:
-    assert gives_background(question, text) is background
 
 
 def test_the_quoter_never_quotes_a_claim_from_how_its_study_was_done() -> None:
