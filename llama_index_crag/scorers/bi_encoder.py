@@ -15,6 +15,7 @@ import json
 import math
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -198,18 +199,72 @@ def long_passage_warning(window: int) -> str:
     )
 
 
+class IndexVectors:
+    """Vectors an index computed when it was built, by the exact text each embeds, for one embedding model.
+
+    A bi-encoder over a model of the same name reads a passage's vector here instead of embedding it
+    again (``publish``): the chunks a fallback returns and the knowledge strips the refiner grades were
+    embedded with the index, not at query time. The key is the whole text, so a text the index did not
+    embed (another metadata mode, a window widened at query time) is never matched, and a grade read
+    from here is the grade the model gives.
+
+    Args:
+        model_name: The embedding model's name (``BaseEmbedding.model_name``).
+        texts: The embedded texts.
+        vectors: One vector a text, in the same order.
+    """
+
+    def __init__(
+        self, model_name: str, texts: Sequence[str], vectors: Union[np.ndarray, Sequence[Sequence[float]]]
+    ) -> None:
+        self.model_name = model_name
+        self._rows = {_key(t): i for i, t in enumerate(texts)}
+        matrix = np.asarray(vectors, dtype=np.float32).reshape(len(texts), -1)
+        self._matrix = matrix / np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def find(self, keys: Sequence[str]) -> Dict[str, np.ndarray]:
+        """The unit vectors held for those of ``keys`` (``_key`` of a text) this table has."""
+        return {k: self._matrix[self._rows[k]] for k in keys if k in self._rows}
+
+
+#: The tables of vectors that built indexes hold, while their indexes live (``publish``).
+_PUBLISHED: weakref.WeakSet[IndexVectors] = weakref.WeakSet()
+
+
+def publish(vectors: IndexVectors) -> None:
+    """Offer ``vectors`` to every bi-encoder of their model, for as long as their owner keeps them."""
+    _PUBLISHED.add(vectors)
+
+
+def index_vectors(model_name: str, keys: Sequence[str]) -> Dict[str, np.ndarray]:
+    """The vectors of ``keys`` that an index built with the model ``model_name`` holds."""
+    found: Dict[str, np.ndarray] = {}
+    for table in list(_PUBLISHED):
+        if table.model_name == model_name and len(found) < len(keys):
+            found.update(table.find([k for k in keys if k not in found]))
+    return found
+
+
 class BiEncoderScorer(RelevanceScorer):
     """Scores a passage by the cosine similarity of its embedding to the query's.
 
     Normalisation: the cosine, clipped to [0, 1] (negative cosines mean unrelated).
     Passage and query embeddings are cached (keyed by a hash of the text), so a
     corpus node that comes back for many queries is embedded once; ``remember``
-    seeds the cache with embeddings an index already holds.
+    seeds the cache with embeddings an index already holds, and a text an index of
+    the same model embedded when it was built (``IndexVectors``: the chunks and their
+    knowledge strips, held by the in-memory sentence-window index) is read there.
+    What is left is embedded in one batch a call, shortest first (less padding).
 
     Args:
         embed_model: Any LlamaIndex embedding model; defaults to ``Settings.embed_model`` when one is set,
             else the bundled MiniLM. The shipped thresholds are the bundled MiniLM's: another model has none.
         cache_size: How many passage embeddings to keep.
+        reuse_index_vectors: Read the vectors indexes of the same model computed when they were built
+            (``IndexVectors``) instead of embedding those texts again.
 
     A passage longer than the model's window (``EmbeddingWindow``) is read in windows of whole sentences and
     scores its best window's cosine, so that an answer at its end counts; such a passage adds a warning to
@@ -222,7 +277,9 @@ class BiEncoderScorer(RelevanceScorer):
     #: questions top out at 0.26, answerable ones start at 0.38); calibrate on your own data.
     BUNDLED_THRESHOLDS = {"upper": 0.55, "lower": 0.30}
 
-    def __init__(self, embed_model: Optional[BaseEmbedding] = None, cache_size: int = 50_000) -> None:
+    def __init__(
+        self, embed_model: Optional[BaseEmbedding] = None, cache_size: int = 50_000, reuse_index_vectors: bool = True
+    ) -> None:
         from llama_index_crag.local.bundled import bundled_embedding_path
         from llama_index_crag.local.models import settings_or_default_embed_model
 
@@ -234,6 +291,7 @@ class BiEncoderScorer(RelevanceScorer):
             self.default_thresholds = dict(self.BUNDLED_THRESHOLDS)
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cache_size = cache_size
+        self.reuse_index_vectors = reuse_index_vectors
         self._lock = threading.Lock()
         self._window: Optional[EmbeddingWindow] = None
         #: Passages longer than the window: their windows, by the passage's key (so each is cut once).
@@ -312,10 +370,14 @@ class BiEncoderScorer(RelevanceScorer):
         with self._lock:
             cached = {k: self._cache[k] for k in keys if k in self._cache}
         missing = [(k, t) for k, t in zip(keys, texts) if k not in cached]
+        if missing and self.reuse_index_vectors:
+            cached.update(index_vectors(self.embed_model.model_name, [k for k, _ in missing]))
+            missing = [(k, t) for k, t in missing if k not in cached]
         if missing:
             unique = dict(missing)
-            vectors = self.embed_model.get_text_embedding_batch(list(unique.values()))
-            fresh = {k: _unit(v) for k, v in zip(unique.keys(), vectors)}
+            order = sorted(unique, key=lambda k: len(unique[k]))  # batches of like lengths pad least
+            vectors = self.embed_model.get_text_embedding_batch([unique[k] for k in order])
+            fresh = {k: _unit(v) for k, v in zip(order, vectors)}
             cached.update(fresh)
             with self._lock:
                 self._cache.update(fresh)

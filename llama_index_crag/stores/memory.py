@@ -1,4 +1,5 @@
-"""In-memory search: exact dense search over one contiguous matrix, and sentence windows over it."""
+"""In-memory search: exact dense search over one contiguous matrix, and sentence windows over it (with the vectors
+grading reads: each chunk's and each of its knowledge strips')."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from llama_index.core.node_parser import SentenceWindowNodeParser
 from llama_index.core.schema import BaseNode, Document, MetadataMode, NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag.scope import UNBOUNDED, Scope, ScopeCache
+from llama_index_crag.scorers.bi_encoder import IndexVectors, publish
+from llama_index_crag.text.strips import decompose
 
 
 def top_k(
@@ -96,6 +99,14 @@ class SentenceWindowRetriever(BaseRetriever):
     chunk can be found; the window gives the generator enough context to use it. Each
     window carries its chunk's metadata, so ``scoped`` narrows the search to a scope's
     windows; scoped copies share the one matrix, built on first use.
+
+    With ``grading_vectors`` the same build embeds, in one batch, what a bi-encoder of
+    the same model grades: each chunk as the index embedded it (what BM25 hands back) and
+    each of its knowledge strips as the refiner decomposes it (``decompose`` with
+    ``strip_min_tokens`` and the chunk's title). They are held as ``IndexVectors`` and
+    published, so grading a fallback's chunk or refining an AMBIGUOUS batch reads them
+    instead of calling the model. A widened window is not among them: embedding every
+    window would cost several times the corpus, and it is embedded when it is graded.
     """
 
     def __init__(
@@ -104,12 +115,17 @@ class SentenceWindowRetriever(BaseRetriever):
         embed_model: Optional[BaseEmbedding] = None,
         window_size: int = 3,
         similarity_top_k: int = 5,
+        grading_vectors: bool = True,
+        strip_min_tokens: int = 8,
     ) -> None:
         self._nodes = list(nodes)
         self._embed_model = embed_model
         self._window_size = window_size
         self._top_k = similarity_top_k
+        self._grading_vectors = grading_vectors
+        self._strip_min_tokens = strip_min_tokens
         self._built: List[MatrixRetriever] = []  # shared with scoped copies: the windows are embedded once
+        self._graded: List[IndexVectors] = []  # the vectors grading reads, shared likewise
         self._masks = ScopeCache()
         self._lock = threading.Lock()
         self.scope: Scope = UNBOUNDED
@@ -126,15 +142,15 @@ class SentenceWindowRetriever(BaseRetriever):
             if not self._built:
                 from llama_index_crag.local.models import settings_or_default_embed_model
 
+                embed_model = self._embed_model or settings_or_default_embed_model()
                 # One contiguous matrix product over every window (tens of ms on SciFact's 47,578 windows,
                 # against about two seconds through SimpleVectorStore's per-vector loop).
                 self._built.append(
-                    MatrixRetriever(
-                        sentence_windows(self._nodes, self._window_size),
-                        self._embed_model or settings_or_default_embed_model(),
-                        self._top_k * 2,
-                    )
+                    MatrixRetriever(sentence_windows(self._nodes, self._window_size), embed_model, self._top_k * 2)
                 )
+                if self._grading_vectors:
+                    self._graded.append(grading_vectors(self._nodes, embed_model, self._strip_min_tokens))
+                    publish(self._graded[0])
             inner = self._built[0]
         if not self.scope.bounded:
             return inner
@@ -145,6 +161,18 @@ class SentenceWindowRetriever(BaseRetriever):
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
         return await asyncio.to_thread(self._retrieve, query_bundle)
+
+
+def grading_vectors(nodes: Sequence[BaseNode], embed_model: BaseEmbedding, strip_min_tokens: int = 8) -> IndexVectors:
+    """The vectors of what a bi-encoder grades of ``nodes``: each node's text as an index embeds it (metadata
+    included) and each of its knowledge strips as ``StripRefiner`` grades it, each distinct text embedded once."""
+    texts = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes]
+    for node in nodes:
+        title = str(node.metadata.get("title") or "")
+        texts.extend(s.graded_text for s in decompose(node.get_content(), strip_min_tokens, title))
+    distinct = sorted(dict.fromkeys(t for t in texts if t.strip()), key=len)  # batches of like lengths pad least
+    vectors = embed_model.get_text_embedding_batch(distinct) if distinct else []
+    return IndexVectors(embed_model.model_name, distinct, vectors)
 
 
 def sentence_windows(nodes: Sequence[BaseNode], window_size: int = 3) -> List[BaseNode]:

@@ -1,0 +1,151 @@
+"""Corrections at the cost of a lookup: what ingest embedded is read, not embedded again, and grades the same."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import pytest
+from llama_index.core import VectorStoreIndex
+from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.schema import BaseNode, MetadataMode, QueryBundle
+
+from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever
+from llama_index_crag.datasets import load_documents
+from llama_index_crag.scorers import EvidenceScorer
+from llama_index_crag.scorers.base import node_text
+from llama_index_crag.stores.chunking import chunk
+from llama_index_crag.text.strips import decompose
+from tests.conftest import ScriptedLLM
+
+QUESTIONS = (
+    "Who is the chief executive officer of Harbor Analytics?",
+    "What is the alpha project budget?",
+    "How long is the Kestrel bridge?",
+    "Which river does the office cafeteria look over?",
+)
+#: Thresholds that send every query down one correction path.
+AMBIGUOUS = {"upper": 0.999, "lower": 0.0, "strip_threshold": 0.3}
+INCORRECT = {"upper": 0.999, "lower": 0.998}
+
+
+class CountingEmbedding(BaseEmbedding):
+    """The bundled model, recording every passage it is asked to embed."""
+
+    _inner: BaseEmbedding = PrivateAttr()
+    _texts: List[str] = PrivateAttr(default_factory=list)
+
+    def __init__(self, inner: BaseEmbedding) -> None:
+        super().__init__(model_name=inner.model_name, embed_batch_size=inner.embed_batch_size)
+        self._inner = inner
+
+    @property
+    def texts(self) -> List[str]:
+        return self._texts
+
+    def _get_query_embedding(self, query: str) -> Embedding:
+        return self._inner.get_query_embedding(query)
+
+    async def _aget_query_embedding(self, query: str) -> Embedding:
+        return self._get_query_embedding(query)
+
+    def _get_text_embedding(self, text: str) -> Embedding:
+        return self.get_text_embedding_batch([text])[0]
+
+    def get_text_embedding_batch(self, texts: List[str], show_progress: bool = False, **kwargs: Any) -> List[Embedding]:
+        self._texts.extend(texts)
+        return self._inner.get_text_embedding_batch(texts)
+
+
+@pytest.fixture(scope="module")
+def nodes() -> List[BaseNode]:
+    return chunk(load_documents())
+
+
+@pytest.fixture(scope="module")
+def counting(embed_model: Any) -> CountingEmbedding:
+    return CountingEmbedding(embed_model)
+
+
+@pytest.fixture(scope="module")
+def index(nodes: List[BaseNode], counting: CountingEmbedding) -> VectorStoreIndex:
+    return VectorStoreIndex(nodes, embed_model=counting)
+
+
+@pytest.fixture(scope="module")
+def fallback(nodes: List[BaseNode], counting: CountingEmbedding) -> FallbackRetriever:
+    built = FallbackRetriever.from_nodes(nodes, similarity_top_k=4, embed_model=counting)
+    built.retrieve(QueryBundle("warm the sentence windows"))  # built with the index, before any question
+    return built
+
+
+def engine(
+    index: VectorStoreIndex, fallback: FallbackRetriever, counting: CountingEmbedding, reuse: bool, **settings: Any
+) -> Tuple[CorrectiveQueryEngine, EvidenceScorer]:
+    scorer = EvidenceScorer(
+        counting, corpus=[n.get_content(metadata_mode=MetadataMode.EMBED) for n in index.docstore.docs.values()]
+    )
+    scorer.bi_encoder.reuse_index_vectors = reuse
+    built = CorrectiveQueryEngine.from_defaults(
+        index=index, llm=ScriptedLLM(), scorer=scorer, fallback=fallback, embed_model=counting, **settings
+    )
+    return built, scorer
+
+
+def decisions(built: CorrectiveQueryEngine, question: str) -> Dict[str, Any]:
+    trace = built.query(question).metadata["crag"]
+    return {
+        "action": trace["action"],
+        "abstained": trace["abstained"],
+        # A widened window is a new node each time (a new id): its document, source, score and label are compared.
+        "nodes": [(n["doc_id"], n["source"], n["score"], n["label"]) for n in trace["nodes"]],
+        "strips": [(s["text"], s["score"], s["kept"]) for s in trace["strips"]],
+    }
+
+
+@pytest.mark.parametrize("path", [AMBIGUOUS, INCORRECT, {}], ids=["ambiguous", "incorrect", "shipped thresholds"])
+def test_the_same_queries_grade_and_act_the_same_with_and_without_the_index_vectors(
+    index: VectorStoreIndex, fallback: FallbackRetriever, counting: CountingEmbedding, path: Dict[str, float]
+) -> None:
+    reusing, _ = engine(index, fallback, counting, True, **path)
+    embedding, _ = engine(index, fallback, counting, False, **path)
+    for question in QUESTIONS:
+        assert decisions(reusing, question) == decisions(embedding, question), question
+
+
+def test_strips_and_fallback_chunks_score_the_same_from_the_index_vectors_as_from_the_model(
+    index: VectorStoreIndex, fallback: FallbackRetriever, counting: CountingEmbedding, nodes: List[BaseNode]
+) -> None:
+    _, reusing = engine(index, fallback, counting, True)
+    _, embedding = engine(index, fallback, counting, False)
+    for question in QUESTIONS:
+        hits = fallback.retrieve(QueryBundle(question))
+        texts = [node_text(h) for h in hits]
+        texts += [
+            s.graded_text for n in nodes for s in decompose(n.get_content(), 8, str(n.metadata.get("title") or ""))
+        ]
+        assert reusing.score_texts(question, texts) == pytest.approx(embedding.score_texts(question, texts), abs=1e-6)
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["index vectors read", "index vectors ignored"])
+def test_a_correction_embeds_only_the_windows_it_widened_at_query_time(
+    index: VectorStoreIndex,
+    fallback: FallbackRetriever,
+    counting: CountingEmbedding,
+    nodes: List[BaseNode],
+    reuse: bool,
+) -> None:
+    chunks = {n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes}
+    strips = {s.graded_text for n in nodes for s in decompose(n.get_content(), 8, str(n.metadata.get("title") or ""))}
+    graded_again: List[str] = []
+    for path in (AMBIGUOUS, INCORRECT):
+        built, _ = engine(index, fallback, counting, reuse, **path)
+        for question in QUESTIONS:
+            counting.texts.clear()
+            trace = built.query(question).metadata["crag"]
+            assert trace["action"] == ("ambiguous" if path is AMBIGUOUS else "incorrect")
+            graded_again += [t for t in counting.texts if t in chunks or t in strips]
+    if reuse:
+        assert graded_again == [], "chunks and strips embedded with the index were embedded again"
+    else:
+        assert graded_again, "without the index's vectors, grading embeds the strips and the fallback's chunks"
