@@ -25,15 +25,17 @@ from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.core.answering import AnswerSteps, QuotingPrompts, evidence_grade
 from llama_index_crag.core.builder import settings_llm
+from llama_index_crag.core.compound import combined
 from llama_index_crag.core.driver import Steps, adrive, check_when_streamed, drive, text_response
 from llama_index_crag.core.grader import RelevanceGrader
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.retriever import CorrectiveRetriever
 from llama_index_crag.core.settings import CragSettings
-from llama_index_crag.core.trace import CragTrace
+from llama_index_crag.core.trace import CragTrace, step_span
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scope import Scope, ScopeCache, ScopeLike
 from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.text.compound import split_question
 from llama_index_crag.web.settings import WebSearchSettings
 
 if TYPE_CHECKING:
@@ -291,7 +293,26 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
         return await adrive(self._loop(query_bundle, is_async=True))
 
     def _loop(self, query_bundle: QueryBundle, is_async: bool) -> Steps[RESPONSE_TYPE]:
-        """The corrective loop for one query: the retriever's steps, then the answer step's."""
+        """The corrective loop for one query; a question that asks several things, part by part (each part's
+        loop in its own span, ``core/compound.py``). A single question costs one regular-expression pass more."""
+        s = self.settings
+        split = split_question(query_bundle.query_str, s.max_parts) if s.enabled and s.split_compound else None
+        if split is None or not split.compound:
+            return (yield from self._one(query_bundle, is_async))
+        streaming = bool(getattr(self._synthesizer, "_streaming", False))
+        # Each part is answered whole (its check run), then the parts are put together and streamed in one piece.
+        engine = self.variant(streaming=False) if streaming else self
+        responses = []
+        for number, part in enumerate(split.parts, start=1):
+            with step_span("part", part=number, parts=len(split.parts)) as span:
+                response = yield from engine._one(QueryBundle(part), is_async)
+                crag = (response.metadata or {}).get("crag") or {}
+                span.outcome = "abstained" if crag.get("abstained") else str(crag.get("action"))
+            responses.append(response)
+        return combined(split, responses, s.abstain_text, streaming, is_async)
+
+    def _one(self, query_bundle: QueryBundle, is_async: bool) -> Steps[RESPONSE_TYPE]:
+        """The corrective loop for one question: the retriever's steps, then the answer step's."""
         with self.callback_manager.event(
             CBEventType.QUERY, payload={EventPayload.QUERY_STR: query_bundle.query_str}
         ) as query_event:

@@ -1,0 +1,206 @@
+"""Compound questions: found by rules that split only when sure, each part answered or abstained on alone.
+
+The engine tests ask the sample corpus with the real bundled MiniLM and the offline default grader (answers
+quoted), so a part is right only when the real retrieval and grade find its passage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Dict, List
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from llama_index.core.instrumentation import get_dispatcher
+
+from llama_index_crag import CorrectiveQueryEngine
+from llama_index_crag.core.compound import PART_KEY, PART_NOT_ANSWERED
+from llama_index_crag.datasets import SAMPLE_DIR
+from llama_index_crag.text.compound import split_question
+from tests.test_retriever import StepSpans
+
+WH = ["What", "Which", "Who", "When", "Where", "How", "Why"]
+TOPICS = ["the annual budget", "the northern office", "the cathedral", "the first release", "the chief architect"]
+
+
+def test_two_questions_joined_as_people_join_them_are_split() -> None:
+    for question, parts in [
+        (
+            "When was the university founded, and who designed the cathedral?",
+            ["When was the university founded?", "Who designed the cathedral?"],
+        ),
+        (
+            "What lock does TRUNCATE take on each table, and what lock does ALTER TABLE take?",
+            ["What lock does TRUNCATE take on each table?", "What lock does ALTER TABLE take?"],
+        ),
+        (
+            "what are the defaults for log_min_messages and for client_min_messages",
+            ["What are the defaults for log_min_messages?", "What are the defaults for client_min_messages?"],
+        ),
+        (
+            "Which view lists the WAL senders, and after how long is an idle connection closed?",
+            ["Which view lists the WAL senders?", "After how long is an idle connection closed?"],
+        ),
+        (
+            "What is the default port? Who maintains the server?",
+            ["What is the default port?", "Who maintains the server?"],
+        ),
+    ]:
+        found = split_question(question)
+        assert found.parts == parts and found.compound and found.dropped == 0
+
+
+def test_and_inside_a_name_a_comparison_or_a_reference_back_is_not_split() -> None:
+    for question in [
+        "Who founded Procter and Gamble?",
+        "When was Pride and Prejudice first published?",
+        "Which is older, Harvard or Yale?",
+        "Did the war between England and France end in 1453?",
+        "Who wrote Pride and Prejudice, and when was it published?",  # "it" needs the first part
+        "whats the defualt work_mem",
+        "and?",
+        "",
+    ]:
+        found = split_question(question)
+        assert found.parts == [question] and not found.compound
+
+
+def test_ten_coordinated_parts_are_capped_and_the_drop_is_counted() -> None:
+    question = " and ".join(f"where is office number {i}" for i in range(10)) + "?"
+    found = split_question(question, max_parts=4)
+    assert found.parts == [f"Where is office number {i}?" for i in range(4)] and found.dropped == 6
+
+
+def test_a_part_left_empty_after_splitting_is_dropped() -> None:
+    assert split_question("What is the default port?, and ? Who maintains the server?").parts == [
+        "What is the default port?",
+        "Who maintains the server?",
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(WH),
+    st.sampled_from(TOPICS),
+    st.sampled_from(WH),
+    st.sampled_from(TOPICS),
+    st.sampled_from([", and ", " and ", "; ", ", and also "]),
+)
+def test_any_two_questions_joined_come_back_apart(wh1: str, t1: str, wh2: str, t2: str, join: str) -> None:
+    first, second = f"{wh1} is {t1} kept", f"{wh2.lower()} was {t2} chosen"
+    found = split_question(f"{first}{join}{second}?")
+    assert found.parts == [f"{first}?", f"{wh2} was {t2} chosen?"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(WH), st.text(alphabet="abcdefghij ", min_size=1, max_size=30), st.sampled_from(TOPICS))
+def test_a_name_with_and_inside_one_question_is_never_split(wh: str, name: str, topic: str) -> None:
+    name = " ".join(name.split()) or "acme"
+    question = f"{wh} did {name.title()} and Sons make of {topic}?"
+    assert split_question(question).parts == [question]
+
+
+@pytest.fixture(scope="module")
+def engine(sample_index: Any, embed_model: Any) -> CorrectiveQueryEngine:
+    return CorrectiveQueryEngine.from_defaults(index=sample_index, embed_model=embed_model)
+
+
+@pytest.fixture(scope="module")
+def sample() -> Dict[str, Dict[str, Any]]:
+    rows = [json.loads(line) for line in (SAMPLE_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
+    return {r["qid"]: r for r in rows}
+
+
+def _joined(first: str, second: str) -> str:
+    return f"{first.rstrip('?')}, and {second[0].lower()}{second[1:]}"
+
+
+def _holds(text: str, answers: List[str]) -> bool:
+    return any(a.lower() in text.lower() for a in answers)
+
+
+def test_each_part_of_a_compound_question_is_answered_from_its_own_sources(
+    engine: CorrectiveQueryEngine,
+    sample: Dict[str, Dict[str, Any]],
+    spans: StepSpans,
+    sample_index: Any,
+    embed_model: Any,
+) -> None:
+    a, b = sample["q001"], sample["q006"]
+    assert not set(a["relevant_doc_ids"]) & set(b["relevant_doc_ids"])
+    whole = CorrectiveQueryEngine.from_defaults(index=sample_index, embed_model=embed_model, split_compound=False)
+    question = _joined(a["question"], b["question"])
+    response = engine.query(question)
+    crag = response.metadata["crag"]
+    parts = crag["parts"]
+    assert [p["question"] for p in parts] == [a["question"], b["question"][0].upper() + b["question"][1:]]
+    for part, row in zip(parts, (a, b)):
+        assert not part["abstained"] and _holds(part["answer"], row["answers"])
+        mine = [n for n in response.source_nodes if n.node.metadata[PART_KEY] == part["part"]]
+        assert [n.node.node_id for n in mine] == part["sources"]
+        assert {n.node.metadata["doc_id"] for n in mine} & set(row["relevant_doc_ids"])
+    assert crag["split"] == {"parts": 2, "dropped": 0, "answered": 2} and not crag["abstained"]
+    assert [s.outcome for s in spans.steps if s.step == "part"] == ["correct", "correct"]
+    # The index's own nodes are not marked.
+    assert all(PART_KEY not in n.metadata for n in sample_index.docstore.docs.values())
+    # Asked whole, as before, the one answer does not hold both.
+    before = whole.query(question)
+    assert "parts" not in before.metadata["crag"]
+
+
+def test_a_part_the_documents_do_not_answer_is_abstained_on_alone(
+    engine: CorrectiveQueryEngine, sample: Dict[str, Dict[str, Any]]
+) -> None:
+    a = sample["q001"]
+    response = engine.query(_joined(a["question"], "What is the speed of light in a vacuum?"))
+    first, second = response.metadata["crag"]["parts"]
+    assert not first["abstained"] and _holds(first["answer"], a["answers"])
+    assert second["abstained"] and second["sources"] == [] and second["trace"]["abstain_reason"]
+    assert PART_NOT_ANSWERED in str(response) and _holds(str(response), a["answers"])
+    assert not response.metadata["crag"]["abstained"]
+    assert {n.node.metadata[PART_KEY] for n in response.source_nodes} == {1}
+
+
+def test_no_part_answered_abstains_whole(engine: CorrectiveQueryEngine) -> None:
+    response = engine.query("What is the speed of light in a vacuum, and when did the Berlin Wall fall?")
+    crag = response.metadata["crag"]
+    assert crag["abstained"] and str(response) == engine.settings.abstain_text and not response.source_nodes
+    assert len(crag["parts"]) == 2 and "part 1" in crag["abstain_reason"] and "part 2" in crag["abstain_reason"]
+
+
+def test_a_single_question_takes_the_single_path(
+    engine: CorrectiveQueryEngine, sample: Dict[str, Dict[str, Any]], spans: StepSpans
+) -> None:
+    response = engine.query(sample["q001"]["question"])
+    assert "parts" not in response.metadata["crag"] and "split" not in response.metadata["crag"]
+    assert not [s for s in spans.steps if s.step == "part"]
+
+
+def test_streamed_and_async_compound_answers_are_the_same(
+    engine: CorrectiveQueryEngine, sample: Dict[str, Dict[str, Any]]
+) -> None:
+    question = _joined(sample["q001"]["question"], sample["q006"]["question"])
+    plain = str(engine.query(question))
+    streamed = engine.variant(streaming=True).query(question)
+    assert "".join(streamed.response_gen) == plain  # type: ignore[union-attr]
+    assert str(asyncio.run(engine.aquery(question))) == plain
+    assert len(streamed.metadata["crag"]["parts"]) == 2  # type: ignore[index]
+
+
+def test_the_cap_is_said_in_the_trace(sample_index: Any, embed_model: Any) -> None:
+    capped = CorrectiveQueryEngine.from_defaults(index=sample_index, embed_model=embed_model, max_parts=2)
+    question = "Who is Harbor's CEO? Where is Harbor's headquarters? When was Harbor founded? What is Harbor's NRR?"
+    crag = capped.query(question).metadata["crag"]
+    assert crag["split"]["parts"] == 2 and crag["split"]["dropped"] == 2
+    assert any("asks 4 things" in w for w in crag["warnings"])
+
+
+@pytest.fixture
+def spans() -> Any:
+    handler = StepSpans()
+    handler.steps = []
+    root = get_dispatcher()
+    root.add_span_handler(handler)
+    yield handler
+    root.span_handlers.remove(handler)
