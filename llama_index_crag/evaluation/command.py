@@ -26,8 +26,9 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dataset", required=True, help="folder with corpus.jsonl and questions.jsonl")
     parser.add_argument(
         "--systems",
-        default=",".join(SYSTEM_NAMES),
-        help=f"comma-separated, from {', '.join(SYSTEM_NAMES)}",
+        default=None,
+        help=f"comma-separated, from {', '.join(SYSTEM_NAMES)} (default: all; with --no-generate and no generator "
+        "installed, all but llm-judge, which judges with the generator)",
     )
     parser.add_argument("--limit", type=positive_int, default=None, help="ask only the first N questions")
     parser.add_argument(
@@ -43,7 +44,8 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-generate",
         action="store_true",
-        help="skip answer generation (fixed text): every figure but answer accuracy, fast over whole datasets",
+        help="skip answer generation (fixed text): every figure but answer accuracy, fast over whole datasets; "
+        "runs without the bundled generator installed (CRAG then rewrites with the question's keywords)",
     )
     parser.add_argument(
         "--scorer",
@@ -157,18 +159,29 @@ def _eval_docs(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from llama_index_crag.errors import ConfigError
-    from llama_index_crag.evaluation.harness import EvalConfig, run_evaluation
+    from llama_index_crag.errors import ConfigError, GeneratorUnavailable, MissingDependency
+    from llama_index_crag.evaluation.harness import NEEDS_A_GENERATOR, NO_GENERATOR, EvalConfig, run_evaluation
     from llama_index_crag.local.models import default_llm
 
     dataset = Path(args.dataset)
     if not (dataset / "corpus.jsonl").exists() and (dataset / "docs").is_dir():
         raise ConfigError(f"{dataset} holds raw documents (docs/), not passages: run llama-crag eval-docs on it")
+    systems = list(SYSTEM_NAMES) if args.systems is None else [s.strip() for s in args.systems.split(",") if s.strip()]
+    try:
+        llm, described = default_llm(args.ollama_url, args.ollama_model)
+    except (MissingDependency, GeneratorUnavailable) as exc:
+        # Nothing is generated with --no-generate: the offline keyword rewrite serves CRAG in the generator's place.
+        if not args.no_generate:
+            raise
+        llm, described = None, f"{NO_GENERATOR} ({exc})"
+        if args.systems is None:
+            systems = [s for s in systems if s not in NEEDS_A_GENERATOR]
+            described += f"; {', '.join(NEEDS_A_GENERATOR)} left out, as it judges with the generator"
     config = EvalConfig(
         dataset=dataset,
         out=Path(args.out or Path("eval-out") / (dataset.name + ("" if args.split == "all" else f"-{args.split}"))),
         split=args.split,
-        systems=[s.strip() for s in args.systems.split(",") if s.strip()],
+        systems=systems,
         limit=args.limit,
         generate=not args.no_generate,
         scorer=args.scorer,
@@ -184,7 +197,6 @@ def _eval(args: argparse.Namespace) -> int:
         fresh=args.fresh,
         progress=not args.no_progress,
     )
-    llm, described = default_llm(args.ollama_url, args.ollama_model)
     print(f"Generator: {described}.")
     results = run_evaluation(config, llm)
     print(f"Report: {config.out / 'report.md'}")

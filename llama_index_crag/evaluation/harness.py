@@ -26,7 +26,12 @@ from llama_index_crag.datasets import content_hash
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.evaluation.corpus import EvalCorpus
 from llama_index_crag.evaluation.dataset import EvalQuestion, load_eval_questions
-from llama_index_crag.evaluation.generator import MeteredLLM, TokenCounter, generator_token_counter
+from llama_index_crag.evaluation.generator import (
+    MeteredLLM,
+    TokenCounter,
+    generator_token_counter,
+    token_counter_without_generator,
+)
 from llama_index_crag.evaluation.metrics import (
     ANSWERABLE,
     OUT_OF_CORPUS,
@@ -188,14 +193,25 @@ def crag_environment() -> str:
     return digest.hexdigest()[:12]
 
 
-def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCounter] = None) -> Dict[str, Any]:
+#: The generator a run names when none is installed: nothing is generated, and CRAG rewrites offline.
+NO_GENERATOR = "none installed: generation skipped, and CRAG's rewrite is the offline one (the question's keywords)"
+#: The systems that cannot run without a generator (``systems.llm_judge``), refused before the corpus is embedded.
+NEEDS_A_GENERATOR = ("llm-judge",)
+
+
+def run_evaluation(
+    config: EvalConfig, llm: Optional[LLM], count_tokens: Optional[TokenCounter] = None
+) -> Dict[str, Any]:
     """Evaluate ``config.systems`` on ``config.dataset`` and write the report under ``config.out``.
 
     Every system answers the same queries over the same index: each question as
     labelled (answerable or unanswerable), and each answerable question again with its
     relevant documents hidden (out of corpus). ``llm`` is the generator; it also
     rewrites for CRAG and judges for the LLM-judge system, even with
-    ``generate=False``, since those calls decide what those systems do.
+    ``generate=False``, since those calls decide what those systems do. With no
+    generator (``None``, as where the bundled one is not installed) only ``generate=False``
+    runs: CRAG rewrites with the question's keywords, the run's generator says so, and
+    the LLM judge cannot run.
 
     Rows are appended to ``rows.jsonl`` as they finish; a later run with the same
     settings reuses them, so an interrupted run resumes where it stopped.
@@ -203,7 +219,16 @@ def run_evaluation(config: EvalConfig, llm: LLM, count_tokens: Optional[TokenCou
     Returns:
         The results written to ``results.json``.
     """
-    config.llm_name = config.llm_name or describe_llm(llm)
+    if llm is None:
+        if config.generate:
+            raise ConfigError("generating answers needs a generator: make local, or skip generation (--no-generate)")
+        judged = [s for s in config.systems if s in NEEDS_A_GENERATOR]
+        if judged:
+            raise ConfigError(f"{', '.join(judged)} needs a generator (make local), or leave it out of --systems")
+    if count_tokens is None and llm is None:
+        count_tokens, counted = token_counter_without_generator()
+        config.llm_name = config.llm_name or f"{NO_GENERATOR}; input tokens in {counted}"
+    config.llm_name = config.llm_name or (describe_llm(llm) if llm is not None else NO_GENERATOR)
     # The engine would choose by the generator it is given, and here that is the meter in front of it.
     config.generator_answer_mode = default_answer_mode(llm)
     out = Path(config.out)

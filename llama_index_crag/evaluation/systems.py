@@ -15,6 +15,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.core.settings import CragSettings
+from llama_index_crag.errors import ConfigError
 from llama_index_crag.evaluation import SYSTEM_NAMES
 from llama_index_crag.evaluation.corpus import EvalCorpus
 from llama_index_crag.evaluation.llm_judge import LLMJudgeQueryEngine
@@ -60,7 +61,8 @@ class SystemParts:
 
     corpus: EvalCorpus
     make_scorer: Callable[[], RelevanceScorer]
-    llm: LLM
+    #: The generator; None where none is installed (CRAG then rewrites with the question's keywords).
+    llm: Optional[LLM]
     synthesizer: BaseSynthesizer
     top_k: int
     rerank_top_k: int
@@ -94,6 +96,8 @@ def crag(parts: SystemParts) -> BaseQueryEngine:
 
 def llm_judge(parts: SystemParts) -> BaseQueryEngine:
     """CRAG with the generator as a per-chunk yes/no judge (CorrectiveRAGPack, LangGraph's tutorial)."""
+    if parts.llm is None:
+        raise ConfigError("llm-judge judges each chunk with the generator: make local, or leave it out of --systems")
     return LLMJudgeQueryEngine(
         retriever=parts.corpus.retriever(parts.top_k),
         llm=parts.llm,
