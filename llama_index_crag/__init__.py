@@ -33,7 +33,9 @@ _EXPORTS: Dict[str, str] = {
     "Verdict": "llama_index_crag.core.grader",
     "WebSearchRetriever": "llama_index_crag.web.retriever",
     "WebSearchSettings": "llama_index_crag.web.settings",
+    "load_engine": "llama_index_crag.core.persisted",
     "load_folder": "llama_index_crag.stores.folder",
+    "load_index": "llama_index_crag.stores.folder",
 }
 
 __all__ = [
@@ -58,7 +60,9 @@ __all__ = [
     "Verdict",
     "WebSearchRetriever",
     "WebSearchSettings",
+    "load_engine",
     "load_folder",
+    "load_index",
 ]
 
 
@@ -91,6 +95,7 @@ if TYPE_CHECKING:
         RetrievalUnavailableError,
         RewriteError,
     )
-    from llama_index_crag.stores.folder import load_folder
+    from llama_index_crag.core.persisted import load_engine
+    from llama_index_crag.stores.folder import load_folder, load_index
     from llama_index_crag.web.retriever import WebSearchRetriever
     from llama_index_crag.web.settings import WebSearchSettings
