@@ -15,10 +15,11 @@ DATASETS = Path(__file__).resolve().parent.parent.parent / "shared" / "datasets"
 
 
 def dataset(name: str) -> Path:
-    """The folder of a shared set; the test is skipped where the sets are not beside the project."""
+    """The folder of a shared set; a test that needs it fails where the sets are not beside the project (they are
+    in CI, and a skip would hide the measurement)."""
     folder = DATASETS / name
     if not (folder / "questions.jsonl").exists():
-        pytest.skip(f"{folder} is not here: the shared development sets sit beside the project")
+        pytest.fail(f"{folder} is not here: clone the project beside the shared development sets (../shared)")
     return folder
 
 
