@@ -75,7 +75,7 @@ def index(nodes: List[BaseNode], counting: CountingEmbedding) -> VectorStoreInde
 @pytest.fixture(scope="module")
 def fallback(nodes: List[BaseNode], counting: CountingEmbedding) -> FallbackRetriever:
     built = FallbackRetriever.from_nodes(nodes, similarity_top_k=4, embed_model=counting)
-    built.retrieve(QueryBundle("warm the sentence windows"))  # built with the index, before any question
+    built.warm()  # built with the index, before any question
     return built
 
 

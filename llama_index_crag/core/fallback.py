@@ -123,6 +123,16 @@ class FallbackRetriever(BaseRetriever):
     def class_name(cls) -> str:
         return "FallbackRetriever"
 
+    def warm(self) -> FallbackRetriever:
+        """Build every source's index now rather than in the first query that falls back; the sentence windows
+        also embed what grading reads (``SentenceWindowRetriever.warm``), so that no correction embeds a chunk
+        or a knowledge strip again."""
+        for retriever in self.retrievers.values():
+            warm = getattr(retriever, "warm", None)
+            if callable(warm):
+                warm()
+        return self
+
     def scoped(self, scope: Scope) -> FallbackRetriever:
         """This fallback with every source narrowed to ``scope`` (``scope.scoped_retriever``; a ``ScopeError``
         for a source that cannot be narrowed), sharing their indexes and models."""

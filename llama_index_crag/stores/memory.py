@@ -100,13 +100,15 @@ class SentenceWindowRetriever(BaseRetriever):
     window carries its chunk's metadata, so ``scoped`` narrows the search to a scope's
     windows; scoped copies share the one matrix, built on first use.
 
-    With ``grading_vectors`` the same build embeds, in one batch, what a bi-encoder of
-    the same model grades: each chunk as the index embedded it (what BM25 hands back) and
-    each of its knowledge strips as the refiner decomposes it (``decompose`` with
-    ``strip_min_tokens`` and the chunk's title). They are held as ``IndexVectors`` and
-    published, so grading a fallback's chunk or refining an AMBIGUOUS batch reads them
-    instead of calling the model. A widened window is not among them: embedding every
-    window would cost several times the corpus, and it is embedded when it is graded.
+    ``warm`` builds the index ahead of the first query and, with ``grading_vectors``, also
+    embeds in one batch what a bi-encoder of the same model grades: each chunk as the
+    index embedded it (what BM25 hands back) and each of its knowledge strips as the
+    refiner decomposes it (``decompose`` with ``strip_min_tokens`` and the chunk's title).
+    They are held as ``IndexVectors`` and published, so grading a fallback's chunk or
+    refining an AMBIGUOUS batch reads them instead of calling the model. An index built by
+    its first query leaves them out (that query would pay for them inside its correction
+    budget). A widened window is not among them: embedding every window would cost several
+    times the corpus, and it is embedded when it is graded.
     """
 
     def __init__(
@@ -137,20 +139,31 @@ class SentenceWindowRetriever(BaseRetriever):
         other.scope = self.scope.narrow(scope)
         return other
 
-    def _inner(self) -> MatrixRetriever:
-        with self._lock:
-            if not self._built:
-                from llama_index_crag.local.models import settings_or_default_embed_model
+    def warm(self) -> None:
+        """Build the index now, with the vectors grading reads (``grading_vectors``), not in a query."""
+        self._inner(grading=self._grading_vectors)
 
-                embed_model = self._embed_model or settings_or_default_embed_model()
+    def _inner(self, grading: bool = False) -> MatrixRetriever:
+        from llama_index_crag.local.models import settings_or_default_embed_model
+
+        with self._lock:
+            if grading and not self._graded:
+                self._graded.append(
+                    grading_vectors(
+                        self._nodes, self._embed_model or settings_or_default_embed_model(), self._strip_min_tokens
+                    )
+                )
+                publish(self._graded[0])
+            if not self._built:
                 # One contiguous matrix product over every window (tens of ms on SciFact's 47,578 windows,
                 # against about two seconds through SimpleVectorStore's per-vector loop).
                 self._built.append(
-                    MatrixRetriever(sentence_windows(self._nodes, self._window_size), embed_model, self._top_k * 2)
+                    MatrixRetriever(
+                        sentence_windows(self._nodes, self._window_size),
+                        self._embed_model or settings_or_default_embed_model(),
+                        self._top_k * 2,
+                    )
                 )
-                if self._grading_vectors:
-                    self._graded.append(grading_vectors(self._nodes, embed_model, self._strip_min_tokens))
-                    publish(self._graded[0])
             inner = self._built[0]
         if not self.scope.bounded:
             return inner
