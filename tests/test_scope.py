@@ -540,3 +540,15 @@ def test_without_broaden_the_filters_hold(years_index: VectorStoreIndex) -> None
 def test_broaden_names_only_keys_the_filters_narrow_on(years_index: VectorStoreIndex) -> None:
     with pytest.raises(ConfigError, match="region"):
         CorrectiveQueryEngine.from_defaults(index=years_index, filters={"tenant": "acme"}, broaden=["region"])
+
+
+def test_each_part_of_a_compound_question_stays_inside_the_scope(tenants_index: VectorStoreIndex) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=tenants_index, llm=GreedyRewrite(), filters={"tenant": "acme"}, answer_mode="generate", **CREDULOUS
+    )
+    question = "What is the remote access policy of Acme, and what does the travel policy of Globex reimburse?"
+    for response in (engine.query(question), engine.scoped({"year": 2023}).query(question)):
+        parts = response.metadata["crag"]["parts"]
+        assert len(parts) == 2 and not parts[0]["abstained"]
+        assert _leaks(_readable(response)) == []
+        assert "Kestrel VPN" in parts[0]["answer"]

@@ -48,7 +48,8 @@ _PRONOUN = re.compile(r"\b(?:it(?! means?\b)|its|they|them|their|he|him|his|she|
 #: A question word that starts a question of its own (an auxiliary is not enough after a bare comma or "and":
 #: "was criticized by the NFL" continues the question before).
 _WH_START = re.compile(rf"^(?:{_PREPOSITION}\s+)?{_WH}\b", re.IGNORECASE)
-#: The fewest words of a part cut at a bare "and" ("... and for what purpose" continues the question before).
+#: The fewest words of a part cut off a sentence ("..., and in which city?", "... and for what purpose" continue
+#: the question before).
 MIN_BARE_PART_WORDS = 4
 #: The longest side of a repeated preposition ("for A and for B").
 MAX_SIDE_WORDS = 6
@@ -120,7 +121,7 @@ def _joined(sentence: str) -> List[str]:
     pieces.append(sentence[start:])
     parts = [pieces[0]]
     for seam, piece in zip(seams, pieces[1:]):
-        if _refers_back(piece) or len(piece.split()) < MIN_PART_WORDS:
+        if _refers_back(piece) or len(piece.split()) < MIN_BARE_PART_WORDS:
             parts[-1] = parts[-1] + seam + piece
         else:
             parts.append(piece)
