@@ -92,6 +92,36 @@ def fit(sets: Sequence[List[Dict[str, Any]]], caps: Sequence[float]) -> Optional
     return None if best is None else best[1]
 
 
+def fit_for_trust(
+    sets: Sequence[List[Dict[str, Any]]], min_truthfulness: Sequence[float], min_out_of_corpus: Sequence[float]
+) -> Optional[QuoteDecision]:
+    """The decision with the least mean false abstention over ``sets`` whose truthfulness and out-of-corpus
+    abstention are at least the matching ones of ``min_truthfulness`` and ``min_out_of_corpus`` on each (a wrong
+    answer costs more than an abstention: the floors come first, answering as much as they allow second; among
+    equals the better mean truthfulness, then the lower floor, grade weight and bias)."""
+    columns = [_columns(rows) for rows in sets]
+    best: Optional[Tuple[Tuple[float, float], QuoteDecision]] = None
+    for floor in FLOORS:
+        for weight in WEIGHTS:
+            for bias in BIASES:
+                decision = QuoteDecision(weight, bias, floor)
+                figures = [_figures(c, decision.thresholds(c["place"])) for c in columns]
+                if all(
+                    f["truthfulness"] >= t - 1e-9
+                    and (np.isnan(f["abstain_out_of_corpus"]) or f["abstain_out_of_corpus"] >= o - 1e-9)
+                    for f, t, o in zip(figures, min_truthfulness, min_out_of_corpus)
+                ):
+                    missed = float(np.mean([f["false_abstention"] for f in figures]))
+                    truthful = float(np.mean([f["truthfulness"] for f in figures]))
+                    if (
+                        best is None
+                        or missed < best[0][0] - 1e-9
+                        or (missed <= best[0][0] + 1e-9 and truthful > best[0][1] + 1e-9)
+                    ):
+                        best = ((missed, truthful), decision)
+    return None if best is None else best[1]
+
+
 def _columns(rows: List[Dict[str, Any]]) -> Dict[str, np.ndarray]:
     """The rows as arrays: each one's place (read as 0 when unknown, as the decision reads it), best strip's
     probability, abstention at 0, score if answered, and kind."""
@@ -140,6 +170,34 @@ def main(argv: Optional[List[str]] = None) -> int:
         metavar="N or SET=N",
         help="only the first N questions of every set's half, or of one set's",
     )
+    parser.add_argument(
+        "--objective",
+        choices=("trust", "truthfulness"),
+        default="trust",
+        help="trust (default): the least false abstention with every set's truthfulness and out-of-corpus "
+        "abstention at their floors; truthfulness: the best mean truthfulness with false abstention under its cap",
+    )
+    parser.add_argument(
+        "--min-truthfulness",
+        action="append",
+        default=[],
+        metavar="X or SET=X",
+        help="with --objective trust: the floor on every set (default 0.0), or on one set (negative allowed)",
+    )
+    parser.add_argument(
+        "--min-out-of-corpus",
+        action="append",
+        default=[],
+        metavar="X or SET=X",
+        help="with --objective trust: the floor on out-of-corpus abstention on every set (default 0.9), or on one",
+    )
+    parser.add_argument(
+        "--no-worse-than-shipped",
+        default="",
+        metavar="SETS",
+        help="with --objective trust: comma-separated sets whose floors are the shipped decision's own truthfulness "
+        "and out-of-corpus abstention on their design half (the fit may not make them worse)",
+    )
     parser.add_argument("--write", action="store_true", help="store the chosen decision in the packaged model")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
@@ -148,27 +206,54 @@ def main(argv: Optional[List[str]] = None) -> int:
     limits = {name: n for name in names if (n := limit_of.get(name, limit_of.get(""))) is not None}
     cap_of = _per_set(args.max_false_abstention, float, "--max-false-abstention")
     caps = {name: cap_of.get(name, cap_of.get("", 0.05)) for name in names}
+    truth_of = _per_set(args.min_truthfulness, float, "--min-truthfulness", positive=False)
+    floors = {name: truth_of.get(name, truth_of.get("", 0.0)) for name in names}
+    ooc_of = _per_set(args.min_out_of_corpus, float, "--min-out-of-corpus", positive=False)
+    ooc = {name: ooc_of.get(name, ooc_of.get("", 0.9)) for name in names}
+
+    def choose(chosen_rows: Dict[str, List[Dict[str, Any]]]) -> Optional[QuoteDecision]:
+        names_here = list(chosen_rows)
+        if args.objective == "trust":
+            return fit_for_trust(
+                [chosen_rows[k] for k in names_here], [floors[k] for k in names_here], [ooc[k] for k in names_here]
+            )
+        return fit([chosen_rows[k] for k in names_here], [caps[k] for k in names_here])
+
     rows = {name: design_rows(Path(args.datasets) / name, out, limits.get(name)) for name in names}
+    shipped = _shipped_decision()
+    for name in [n for n in args.no_worse_than_shipped.split(",") if n]:
+        if name not in rows:
+            raise SystemExit(f"--no-worse-than-shipped names {name}, which is not in --sets")
+        figures = replay(rows[name], shipped)
+        floors[name], ooc[name] = figures["truthfulness"], figures["abstain_out_of_corpus"]
     print("One threshold whatever the grade:\n")
     print("| threshold | " + " | ".join(f"{n}: false abst. / truthful. / ooc / unans." for n in rows) + " |")
     print("|---:|" + "---|" * len(rows))
     for t in [round(0.05 * i, 2) for i in range(15)]:
         figures = [replay(r, QuoteDecision.constant(t)) for r in rows.values()]
         print(f"| {t:.2f} | " + " | ".join(_cells(f) for f in figures) + " |")
-    chosen = fit(list(rows.values()), [caps[name] for name in rows])
-    named = ", ".join(f"{name} {100 * cap:.1f}%" for name, cap in caps.items())
+    chosen = choose(rows)
+    if args.objective == "trust":
+        named = ", ".join(
+            f"{name} truthfulness >= {100 * floors[name]:.1f}%, out of corpus >= {100 * ooc[name]:.1f}%"
+            for name in names
+        )
+        aim = f"the least false abstention with each design half at its floors ({named})"
+    else:
+        named = ", ".join(f"{name} {100 * cap:.1f}%" for name, cap in caps.items())
+        aim = f"best mean truthfulness with false abstention within each design half's cap ({named})"
     if chosen is None:
-        print(f"\nNo decision keeps every set's false abstention within its cap ({named}).")
+        print(f"\nNo decision meets every design half's bound: {aim}.")
         return 1
     print(
         f"\nChosen: grade weight {chosen.grade_weight}, bias {chosen.bias}, floor {chosen.floor} (threshold "
         + ", ".join(f"{chosen.threshold(p):.2f} at place {p}" for p in (0.0, 0.5, 1.0))
-        + f"): best mean truthfulness with false abstention within each design half's cap ({named})."
+        + f"): {aim}."
     )
     print("\n(false abstention / truthfulness / out of corpus / unanswerable, %)\n")
     for name, r in rows.items():
         others = [k for k in rows if k != name]
-        alone = fit([rows[k] for k in others], [caps[k] for k in others]) if others else None
+        alone = choose({k: rows[k] for k in others}) if others else None
         transfer = "" if alone is None else f"; fitted on the others alone: {_cells(replay(r, alone))}"
         print(f"- {name}: {_cells(replay(r, chosen))}{transfer}")
     if args.write:
@@ -178,14 +263,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         meta["decision"] = chosen.to_dict()
         meta["decision_chosen_on"] = f"design halves of {', '.join(rows)}: benchmarks/quote_threshold.py " + " ".join(
             [f"--limit {name}={n}" for name, n in limits.items()]
-            + [f"--max-false-abstention {name}={cap}" for name, cap in caps.items()]
+            + (
+                [f"--min-truthfulness {name}={floors[name]:.4f}" for name in names]
+                + [f"--min-out-of-corpus {name}={ooc[name]:.4f}" for name in names]
+                + ([f"--no-worse-than-shipped {args.no_worse_than_shipped}"] if args.no_worse_than_shipped else [])
+                if args.objective == "trust"
+                else ["--objective truthfulness"]
+                + [f"--max-false-abstention {name}={cap}" for name, cap in caps.items()]
+            )
         )
         (PACKAGED_DIR / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         print(f"\nWrote it to {PACKAGED_DIR / META_FILE}.")
     return 0
 
 
-def _per_set(given: Sequence[str], kind: Callable[[str], Any], option: str) -> Dict[str, Any]:
+def _shipped_decision() -> QuoteDecision:
+    """The decision the packaged answer model ships."""
+    meta = json.loads((PACKAGED_DIR / META_FILE).read_text(encoding="utf-8"))
+    chosen = meta["decision"]
+    return QuoteDecision(chosen["grade_weight"], chosen["bias"], chosen["floor"])
+
+
+def _per_set(given: Sequence[str], kind: Callable[[str], Any], option: str, positive: bool = True) -> Dict[str, Any]:
     """``SET=VALUE`` (or a bare ``VALUE``, keyed ``""``: every set) options as a mapping, or a clear error."""
     values: Dict[str, Any] = {}
     for item in given:
@@ -194,7 +293,7 @@ def _per_set(given: Sequence[str], kind: Callable[[str], Any], option: str) -> D
             number = kind(value)
         except ValueError:
             raise SystemExit(f"{option} takes VALUE or SET=VALUE, not {item!r}") from None
-        if number <= 0:
+        if positive and number <= 0:
             raise SystemExit(f"{option} must be positive, not {item!r}")
         values[name] = number
     return values
