@@ -130,11 +130,13 @@ def test_doctor_checks_every_part_and_says_what_to_fix(capsys: pytest.CaptureFix
         "torch",
         "embedding model",
         "grader",
+        "calibration",
         "Ollama",
         "llama.cpp build",
         "generator (llama.cpp)",
         "spaCy pipeline",
     }
+    assert checks["calibration"]["status"] == OK and "all-MiniLM-L6-v2" in checks["calibration"]["detail"]
     assert checks["embedding model"]["status"] == OK and "384 dimensions" in checks["embedding model"]["detail"]
     from llama_index_crag.scorers.registry import default_scorer
 
