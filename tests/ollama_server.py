@@ -160,6 +160,7 @@ class OllamaServer:
             changed while the server runs.
         requests: Every request received, in order, as ``(path, parsed JSON body)``;
             ``{}`` for requests without a body.
+        replies: The text of every generation answered, in order, as ``(path, text)``.
     """
 
     def __init__(
@@ -181,6 +182,7 @@ class OllamaServer:
         self.mode: Mode = mode
         self.n_threads = n_threads
         self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.replies: list[tuple[str, str]] = []
         self._llm: _MeteredLlama | None = None
         self._load_lock = threading.Lock()
         self._generate_lock = threading.Lock()
@@ -465,7 +467,7 @@ class _Handler(BaseHTTPRequestHandler):
         model = str(body["model"])
         outcome = _Outcome()
         started = time.perf_counter_ns()
-        pieces = self.owner._pieces(job, outcome)
+        pieces = self._recorded(self.owner._pieces(job, outcome), "/api/chat" if chat else "/api/generate")
         try:
             if body.get("stream", True):
                 try:
@@ -483,6 +485,17 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(HTTPStatus.OK, self._final(model, chat, text, outcome, started))
         finally:
             pieces.close()
+
+    def _recorded(self, pieces: Generator[str, None, None], path: str) -> Generator[str, None, None]:
+        """``pieces``, with the whole text added to ``OllamaServer.replies`` once they are exhausted."""
+        text: list[str] = []
+        try:
+            for piece in pieces:
+                text.append(piece)
+                yield piece
+        finally:
+            pieces.close()
+        self.owner.replies.append((path, "".join(text)))
 
     def _stream(
         self,
