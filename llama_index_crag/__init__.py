@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from llama_index_crag.core.engine import CorrectiveQueryEngine
     from llama_index_crag.core.fallback import FallbackRetriever
     from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
+    from llama_index_crag.core.persisted import load_engine
     from llama_index_crag.core.refiner import StripRefiner
     from llama_index_crag.core.retriever import CorrectiveRetriever
     from llama_index_crag.core.rewrite import QueryRewriter, RewrittenQuery
@@ -95,7 +96,6 @@ if TYPE_CHECKING:
         RetrievalUnavailableError,
         RewriteError,
     )
-    from llama_index_crag.core.persisted import load_engine
     from llama_index_crag.stores.folder import load_folder, load_index
     from llama_index_crag.web.retriever import WebSearchRetriever
     from llama_index_crag.web.settings import WebSearchSettings

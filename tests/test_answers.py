@@ -39,7 +39,7 @@ from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.calibration.answer_training import swapped
 from llama_index_crag.cli import main
-from llama_index_crag.core.answering import evidence_grade
+from llama_index_crag.core.loop import evidence_grade
 from llama_index_crag.datasets import Question, load_documents, load_questions
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.evidence import EvidenceScorer
@@ -811,7 +811,7 @@ def test_train_answers_writes_a_model_the_engine_loads(
     monkeypatch.setenv("CRAG_ANSWER_MODEL", str(tmp_path / "model"))
     monkeypatch.setenv("CRAG_QUOTE_THRESHOLD", "0")
     engine = CorrectiveQueryEngine.from_defaults(nodes=[TextNode(text=OUTAGE)], answer_mode="extract")
-    assert engine._quoter.model.info == model.info
+    assert engine.quoter.model.info == model.info
     trace = crag(engine.query("How long did the June 2023 EU-2 outage last?"))
     assert trace["answered_by"] == "extract" and trace["quotes"]
 

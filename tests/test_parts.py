@@ -118,6 +118,33 @@ def test_a_corrective_retriever_built_by_hand_refuses_parts_that_disagree_with_i
         CorrectiveRetriever(**{**parts, "refiner": StripRefiner(engine.grader.scorer, threshold=0.6)})
 
 
+def test_settings_given_to_a_built_engine_reach_every_part_that_reads_them(
+    scripted_llm: ScriptedLLM, embed_model: Any
+) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(
+        nodes=CORPUS,
+        llm=scripted_llm,
+        scorer=MarkerScorer({}, default=0.5),
+        embed_model=embed_model,
+        upper=0.7,
+        lower=0.3,
+        answer_mode="extract",
+    )
+    before = engine.variant(streaming=False)
+    engine.scoped({"doc_id": "beta"})  # a scoped copy built before the change is not handed out after it
+    assert engine.query("What does beta do?").metadata["crag"]["action"] == "ambiguous"  # 0.3 <= 0.5 < 0.7
+
+    engine.settings = engine.settings.model_copy(update={"upper": 0.4, "lower": 0.2, "max_quotes": 1})
+    trace = engine.query("What does beta do?").metadata["crag"]
+    assert trace["action"] == "correct" and trace["thresholds"]["upper"] == 0.4, trace["thresholds"]
+    assert (engine.grader.upper, engine.grader.lower, engine.refiner.threshold) == (0.4, 0.2, 0.2)
+    assert engine.quoter.max_quotes == 1 and len(trace["quotes"]) <= 1
+    scoped = engine.scoped({"doc_id": "beta"})
+    assert scoped.grader.upper == 0.4 and scoped.settings.upper == 0.4
+    # An engine made from it before keeps its own settings and parts.
+    assert before.grader.upper == 0.7 and before.query("What does beta do?").metadata["crag"]["action"] == "ambiguous"
+
+
 def test_grader_in_a_stock_query_engine_drops_irrelevant_nodes_and_emits_an_event(embed_model: Any) -> None:
     events: List[Any] = []
 

@@ -1,4 +1,5 @@
-"""``CorrectiveRetriever.from_defaults``: the corrective retriever wired from what the user already has.
+"""The builders behind ``CorrectiveRetriever.from_defaults``: the corrective retriever's parts wired from what the
+user already has.
 
 Given an index, a retriever, nodes or a vector store, it chooses the scorer (``scorers.registry``),
 resolves the settings (argument > ``CRAG_*`` environment > calibration file), loads the
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Type, Union
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -21,9 +23,9 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode
 from llama_index.core.settings import Settings
 
-from llama_index_crag.core.correction import Broadening
 from llama_index_crag.core.fallback import FallbackRetriever
 from llama_index_crag.core.grader import RelevanceGrader
+from llama_index_crag.core.loop import Broadening
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
@@ -36,14 +38,26 @@ from llama_index_crag.text.cleaning import clean_node
 from llama_index_crag.web.retriever import WebSearchRetriever
 from llama_index_crag.web.settings import WebSearchSettings
 
-if TYPE_CHECKING:
-    from llama_index_crag.core.retriever import CorrectiveRetriever
-
 logger = logging.getLogger(__name__)
 
 
-def corrective_retriever(
-    cls: Type[CorrectiveRetriever],
+@dataclass
+class Searched:
+    """What the loop searches, and inside which scope: the primary retriever (None: built over the index), the
+    nodes the fallback and the word statistics are built over (None: not at hand), and the scopes."""
+
+    retriever: Optional[BaseRetriever]
+    nodes: Optional[List[BaseNode]]
+    scope: Scope
+    floor: Scope  #: the scope without the ``broaden`` keys
+    given_scope: Optional[Scope]  #: the given retriever's own (None: it cannot be read; unbounded: none given)
+
+    @property
+    def in_scope(self) -> Optional[List[BaseNode]]:
+        return None if self.nodes is None else self.scope.keep(self.nodes)
+
+
+def retriever_parts(
     index: Optional[BaseIndex] = None,
     retriever: Optional[BaseRetriever] = None,
     nodes: Optional[Sequence[BaseNode]] = None,
@@ -60,44 +74,13 @@ def corrective_retriever(
     filters: ScopeLike = None,
     broaden: Sequence[str] = (),
     **settings: Any,
-) -> CorrectiveRetriever:
-    """Build the corrective retriever around what the user already has.
-
-    Give a ``vector_store`` (a ``PGVectorStore`` or ``postgresql://`` URL filled by
-    ``llama-crag ingest --store``: retrieval, fallback and word statistics then stay in
-    PostgreSQL, see ``docs/postgres.md``), an ``index``, a ``retriever`` or ``nodes`` (an in-memory vector index is
-    built over them). The fallback retriever is built over the same nodes (taken
-    from ``nodes`` or the index's docstore); with no nodes at hand (a remote vector
-    store), the rewritten query goes back through the primary retriever.
-
-    ``scorer`` defaults to the offline ``EvidenceScorer`` (bundled MiniLM plus lexical
-    and answer-type evidence, IDF from the same nodes), or to a ``ReaderScorer`` over
-    the grader directory in ``CRAG_GRADER`` (``llama-crag train-grader``). Any keyword
-    of ``CragSettings`` (``upper``, ``lower``, ``max_rewrites``, ``enabled`` ...)
-    may be passed; it wins over ``CRAG_*`` variables and the calibration file.
-
-    ``filters`` (LlamaIndex ``MetadataFilters``, their JSON, or ``{"tenant": "acme"}``) bound every
-    path that retrieves: the primary retriever, BM25, sentence windows, the rewrite's search and
-    hybrid search only see nodes whose metadata match, and every candidate is checked against them
-    (``docs/scope.md``). A given ``retriever=``'s own filters are read and kept. Where a given
-    retriever's scope cannot be read (a custom retriever) and no ``filters=`` are given, the
-    fallback searches back through that retriever only, never the index around it.
-
-    ``broaden`` (opt-in) names keys of ``filters`` that narrow for relevance, not for access (a
-    product line, a year): when the INCORRECT branch's rewrite finds nothing inside the filters,
-    it searches once more with those keys' conditions dropped. Only top-level conditions of
-    ``filters`` can be named, and a key a caller's ``scoped`` filters name is never dropped.
-
-    ``web`` turns on the web-search source of the fallback (off by default): ``True``,
-    a dict of ``WebSearchSettings`` fields, or the settings themselves; ``CRAG_WEB=on``
-    and ``CRAG_WEB_*`` variables do the same, and ``CRAG_WEB_FORBIDDEN=true`` forbids
-    sending anything whatever the code says.
-    """
-    scope = Scope.of(filters)
-    floor = _broadened(scope, broaden)
+) -> Dict[str, Any]:
+    """The keyword arguments of ``CorrectiveRetriever`` built from what the user already has (what
+    ``CorrectiveRetriever.from_defaults`` documents), one small builder per part."""
     unknown = set(settings) - set(CragSettings.model_fields)
     if unknown:
         raise TypeError(f"unknown settings {sorted(unknown)}; see CragSettings for the names")
+    scope = Scope.of(filters)
     if vector_store is not None:  # a PostgreSQL store: the whole loop reads it (llama_index_crag.stores.postgres)
         from llama_index_crag.core.store_parts import store_parts
 
@@ -111,43 +94,105 @@ def corrective_retriever(
             retriever=retriever,
             scope=scope,
         )
-        retriever, fallback, scorer = parts.retriever, parts.fallback, parts.scorer
+        retriever, scorer = parts.retriever, parts.scorer
         embed_model, node_postprocessors = parts.embed_model, parts.postprocessors
     llm = llm or settings_llm()
     callback_manager = callback_manager or Settings.callback_manager  # every part reports to the same handlers
+    searched = searched_parts(index, retriever, nodes, scope, broaden)
+    if scorer is None:
+        scorer = default_scorer(embed_model, _word_corpus(searched.in_scope))
+    calibration_path = calibration_path or os.environ.get("CRAG_CALIBRATION")
+    resolved = resolved_settings(scorer, settings, calibration_path)
+    primary = primary_retriever(index, searched, resolved, embed_model)
+    given_fallback = fallback is not None and vector_store is None
+    if vector_store is not None:
+        fallback = parts.fallback
+    fallback, broadening = fallback_parts(
+        fallback, given_fallback, primary, searched, broaden, fallback_sources, resolved, embed_model, callback_manager
+    )
+    web_settings = WebSearchSettings.resolve(web)
+    if web_settings.enabled:
+        fallback = FallbackRetriever.with_web(
+            fallback,
+            WebSearchRetriever(web_settings, scorer=scorer, strip_min_tokens=resolved.strip_min_tokens),
+            similarity_top_k=resolved.similarity_top_k,
+            callback_manager=callback_manager,
+        )
+    grader, refiner = grading_parts(scorer, resolved, callback_manager)
+    return {
+        "retriever": primary,
+        "grader": grader,
+        "refiner": refiner,
+        "fallback": fallback,
+        "rewriter": QueryRewriter(llm) if llm is not None else None,
+        "settings": resolved,
+        "node_postprocessors": node_postprocessors,
+        "callback_manager": callback_manager,
+        "scope": searched.scope,
+        "broadening": broadening,
+    }
+
+
+def searched_parts(
+    index: Optional[BaseIndex],
+    retriever: Optional[BaseRetriever],
+    nodes: Optional[Sequence[BaseNode]],
+    scope: Scope,
+    broaden: Sequence[str],
+) -> Searched:
+    """The nodes at hand and the scope every path searches inside: ``filters=`` narrowed by a given retriever's
+    own filters. Nodes around a retriever whose scope cannot be read are never searched."""
+    floor = _broadened(scope, broaden)
+    found: Optional[List[BaseNode]] = None
     if nodes is not None:
-        nodes = [clean_node(n) for n in nodes]  # text every tokenizer and codec takes (a lone surrogate is refused)
+        found = [clean_node(n) for n in nodes]  # text every tokenizer and codec takes (a lone surrogate is refused)
     elif index is not None:
-        nodes = list(index.docstore.docs.values())
+        found = list(index.docstore.docs.values())
     given_scope = UNBOUNDED if retriever is None else retriever_scope(retriever)
     if given_scope is not None:
         scope, floor = given_scope.narrow(scope), given_scope.narrow(floor)
-    if nodes is not None and given_scope is None and not scope.bounded:
+    if found is not None and given_scope is None and not scope.bounded:
         # A retriever whose scope cannot be read: searching the nodes around it could return what it never would.
         logger.warning(
             "the scope of %s cannot be read: the fallback searches back through it only; pass filters= "
             "(the same as the retriever's) to add BM25 and sentence windows inside that scope",
             type(retriever).__name__,
         )
-        nodes = None
-    in_scope = None if nodes is None else scope.keep(nodes)
-    if scorer is None:
-        # Word statistics come from the scope's own nodes when it is known here; a scope narrowed per request
-        # (``scoped``) keeps these: document frequencies of words, no text (docs/scope.md).
-        corpus = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in in_scope or []]
-        scorer = default_scorer(embed_model, corpus or None)
-    calibration_path = calibration_path or os.environ.get("CRAG_CALIBRATION")
+        found = None
+    return Searched(retriever, found, scope, floor, given_scope)
+
+
+def _word_corpus(in_scope: Optional[List[BaseNode]]) -> Optional[List[str]]:
+    """The texts the default scorer's word statistics come from: the scope's own nodes when it is known here; a
+    scope narrowed per request (``scoped``) keeps these: document frequencies of words, no text (docs/scope.md)."""
+    corpus = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in in_scope or []]
+    return corpus or None
+
+
+def resolved_settings(
+    scorer: RelevanceScorer, settings: Mapping[str, Any], calibration_path: Optional[str]
+) -> CragSettings:
+    """The settings (argument > ``CRAG_*`` environment > calibration file > the scorer's defaults), with the
+    calibrated scorer state loaded into ``scorer``."""
     if calibration_path:
         state = read_calibration(calibration_path, scorer.name).get("scorer_state")
         if state is not None:
             scorer.load_state(state)
-    resolved = CragSettings.resolve(
-        settings,
+    return CragSettings.resolve(
+        dict(settings),
         calibration_path=calibration_path,
         scorer_name=scorer.name,
         scorer_defaults=scorer.default_thresholds,
     )
+
+
+def primary_retriever(
+    index: Optional[BaseIndex], searched: Searched, resolved: CragSettings, embed_model: Optional[BaseEmbedding]
+) -> BaseRetriever:
+    """The retriever whose candidates are graded: the given one (narrowed to the scope), or the index's."""
+    retriever, scope, given_scope = searched.retriever, searched.scope, searched.given_scope
     if index is None and retriever is None:
+        in_scope = searched.in_scope
         if in_scope is None:
             raise ValueError("give the engine something to search: index=, retriever= or nodes=")
         from llama_index.core import VectorStoreIndex
@@ -166,64 +211,68 @@ def corrective_retriever(
             "filters or it may find too few passages inside the scope",
             type(retriever).__name__,
         )
-    web_settings = WebSearchSettings.resolve(web)
-    broadening = None
+    return retriever
+
+
+def fallback_parts(
+    fallback: Optional[BaseRetriever],
+    given_fallback: bool,
+    primary: BaseRetriever,
+    searched: Searched,
+    broaden: Sequence[str],
+    sources: Sequence[str],
+    resolved: CragSettings,
+    embed_model: Optional[BaseEmbedding],
+    callback_manager: CallbackManager,
+) -> Tuple[BaseRetriever, Optional[Broadening]]:
+    """The INCORRECT branch's retrieval (BM25 and sentence windows over the nodes inside the scope, or back
+    through the primary retriever), and the opt-in broadening's."""
+    nodes, scope, floor = searched.nodes, searched.scope, searched.floor
     if broaden and nodes is None:
         raise ConfigError(
             "broaden= needs the nodes it may search (index= or nodes=); a store or a bare retriever "
             "cannot be searched around its filters"
         )
-    given_fallback = fallback is not None and vector_store is None
     if fallback is None:
-        searched = in_scope if not broaden or nodes is None else floor.keep(nodes)
-        if searched and any(n.get_content().strip() for n in searched):
+        over = searched.in_scope if not broaden or nodes is None else floor.keep(nodes)
+        if over and any(n.get_content().strip() for n in over):
             fallback = FallbackRetriever.from_nodes(
-                searched,
-                sources=fallback_sources,
+                over,
+                sources=sources,
                 similarity_top_k=resolved.similarity_top_k,
                 embed_model=embed_model,
                 callback_manager=callback_manager,
             )
         else:
             fallback = FallbackRetriever(
-                {"primary": retriever}, similarity_top_k=resolved.similarity_top_k, callback_manager=callback_manager
+                {"primary": primary}, similarity_top_k=resolved.similarity_top_k, callback_manager=callback_manager
             )
-    if broaden:
-        broadening = Broadening(tuple(broaden), floor, scoped_retriever(fallback, floor))
+    broadening = Broadening(tuple(broaden), floor, scoped_retriever(fallback, floor)) if broaden else None
     if given_fallback or broaden:
         fallback = scoped_retriever(fallback, scope)  # a given fallback is narrowed too, or the build stops
-    if web_settings.enabled:
-        fallback = FallbackRetriever.with_web(
-            fallback,
-            WebSearchRetriever(web_settings, scorer=scorer, strip_min_tokens=resolved.strip_min_tokens),
-            similarity_top_k=resolved.similarity_top_k,
-            callback_manager=callback_manager,
-        )
-    return cls(
-        retriever=retriever,
-        grader=RelevanceGrader(
-            scorer,
-            upper=resolved.upper,
-            lower=resolved.lower,
-            aggregation=resolved.aggregation,
-            min_relevant=resolved.min_relevant,
-            explain=resolved.explain,
-            callback_manager=callback_manager,
-        ),
-        refiner=StripRefiner(
-            scorer,
-            threshold=resolved.lower if resolved.strip_threshold is None else resolved.strip_threshold,
-            strip_min_tokens=resolved.strip_min_tokens,
-            callback_manager=callback_manager,
-        ),
-        fallback=fallback,
-        rewriter=QueryRewriter(llm) if llm is not None else None,
-        settings=resolved,
-        node_postprocessors=node_postprocessors,
+    return fallback, broadening
+
+
+def grading_parts(
+    scorer: RelevanceScorer, resolved: CragSettings, callback_manager: CallbackManager
+) -> Tuple[RelevanceGrader, StripRefiner]:
+    """The grader and the refiner, holding the settings' thresholds (the one set of values)."""
+    grader = RelevanceGrader(
+        scorer,
+        upper=resolved.upper,
+        lower=resolved.lower,
+        aggregation=resolved.aggregation,
+        min_relevant=resolved.min_relevant,
+        explain=resolved.explain,
         callback_manager=callback_manager,
-        scope=scope,
-        broadening=broadening,
     )
+    refiner = StripRefiner(
+        scorer,
+        threshold=resolved.lower if resolved.strip_threshold is None else resolved.strip_threshold,
+        strip_min_tokens=resolved.strip_min_tokens,
+        callback_manager=callback_manager,
+    )
+    return grader, refiner
 
 
 def _broadened(scope: Scope, keys: Sequence[str]) -> Scope:

@@ -1,8 +1,8 @@
 """The drivers of the corrective loop: it yields each piece of I/O, and a driver runs it sync or async.
 
-The loop is one generator for both the sync and the async call (``CorrectiveRetriever.steps``
-for ``retrieve``/``aretrieve``, ``CorrectiveQueryEngine._loop``, which runs those steps and then
-the answer's, for ``query``/``aquery``): it yields an ``Io`` (how to do the step sync and async, and its time limit)
+The loop (``core/loop.py``) is one generator for both the sync and the async call (``Loop.correct``
+for ``retrieve``/``aretrieve``, ``Loop.run``, which runs those steps and then the answer's, for
+``query``/``aquery``): it yields an ``Io`` (how to do the step sync and async, and its time limit)
 and gets the result, or the error, sent back. ``drive`` runs the steps in the calling
 thread (a step with a limit in a daemon thread that is abandoned when the limit passes);
 ``adrive`` awaits them with ``asyncio.wait_for``. Both turn a step past its limit into

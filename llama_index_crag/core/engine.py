@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence, Union
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.base.response.schema import RESPONSE_TYPE
-from llama_index.core.callbacks import CallbackManager, CBEventType, EventPayload
+from llama_index.core.callbacks import CallbackManager
 from llama_index.core.indices.base import BaseIndex
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms import LLM, MockLLM
@@ -23,19 +24,17 @@ from llama_index_crag.answers.answer_model import AnswerModel
 from llama_index_crag.answers.extract import EvidenceQuoter
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.policy import default_answer_mode
-from llama_index_crag.core.answering import AnswerSteps, QuotingPrompts, evidence_grade
 from llama_index_crag.core.builder import settings_llm
-from llama_index_crag.core.compound import combined
-from llama_index_crag.core.driver import Steps, adrive, check_when_streamed, drive, text_response
+from llama_index_crag.core.driver import adrive, drive
 from llama_index_crag.core.grader import RelevanceGrader
+from llama_index_crag.core.loop import Answering, Loop
+from llama_index_crag.core.prompts import QuotingPrompts
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.retriever import CorrectiveRetriever
 from llama_index_crag.core.settings import CragSettings
-from llama_index_crag.core.trace import CragTrace, step_span
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scope import Scope, ScopeCache, ScopeLike
 from llama_index_crag.scorers.base import RelevanceScorer
-from llama_index_crag.text.compound import split_question
 from llama_index_crag.web.settings import WebSearchSettings
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ dispatcher = get_dispatcher(__name__)
 CHAT_MODES = ("condense_question", "condense_plus_context", "context", "best")
 
 
-class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
+class CorrectiveQueryEngine(BaseQueryEngine):
     """A query engine that grades retrieval before answering, and corrects or abstains.
 
     Its ``CorrectiveRetriever`` runs the loop up to the answer (see ``docs/loop.md``):
@@ -71,8 +70,9 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
     over web pages.
 
     Every failure of the correction path ends in an abstention, never in an answer.
-    The decision trace is in ``response.metadata["crag"]``. The sync and async paths
-    run the same loop (``_loop``); only the driver that performs its I/O differs.
+    The decision trace is in ``response.metadata["crag"]``. The loop itself is
+    ``core/loop.py``'s, run over this engine's parts (``loop``); the sync and async paths
+    run the same loop, only the driver that performs its I/O differs.
     ``engine.retrieve`` and ``engine.aretrieve`` return what the corrective retriever does.
 
     Args:
@@ -89,11 +89,17 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
     ) -> None:
         self._retriever = retriever
         self._synthesizer = response_synthesizer
-        self._quoting = None
+        self._quoting: Optional[Tuple[Tuple[int, ...], BaseSynthesizer]] = None
         self._quoting_prompts = QuotingPrompts()
-        settings, grader, refiner = retriever.settings, retriever.grader, retriever.refiner
+        self._answer_parts()
+        self._scoped = ScopeCache()
+        super().__init__(callback_manager=callback_manager or response_synthesizer.callback_manager)
+
+    def _answer_parts(self) -> None:
+        """The answer step's parts, built from the retriever's settings and parts (again when the settings change)."""
+        settings, grader, refiner = self._retriever.settings, self._retriever.grader, self._retriever.refiner
         #: "extract" or "generate": the setting, or when unset, what the generator allows (``default_answer_mode``).
-        self.answer_mode = settings.answer_mode or default_answer_mode(getattr(response_synthesizer, "_llm", None))
+        self.answer_mode = settings.answer_mode or default_answer_mode(getattr(self._synthesizer, "_llm", None))
         self._quoter = EvidenceQuoter(
             grader.scorer,
             max_quotes=settings.max_quotes,
@@ -105,8 +111,6 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
         self._checker = GroundednessChecker(
             grader.scorer, use_scorer=settings.check_with_grader, strip_min_tokens=refiner.strip_min_tokens
         )
-        self._scoped = ScopeCache()
-        super().__init__(callback_manager=callback_manager or response_synthesizer.callback_manager)
 
     @classmethod
     def from_defaults(
@@ -176,9 +180,8 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
         explanations and some without, from one set of loaded models.
         """
         synthesizer = self._synthesizer
-        if streaming is not None and streaming != bool(getattr(synthesizer, "_streaming", False)):
-            synthesizer = copy.copy(synthesizer)
-            synthesizer._streaming = streaming  # type: ignore[attr-defined]
+        if streaming is not None:
+            synthesizer = self._answering().streamed(streaming).synthesizer
         return type(self)(self._retriever.variant(explain=explain), synthesizer, self.callback_manager)
 
     @property
@@ -239,7 +242,36 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
 
     @settings.setter
     def settings(self, settings: CragSettings) -> None:
-        self._retriever = self._retriever.variant(settings=settings)  # a variant sharing the retriever keeps its own
+        # The grader, refiner, quoter and checker are built again from the new settings (a variant sharing the
+        # old retriever keeps its own).
+        self._retriever = self._retriever.variant(settings=settings)
+        self._answer_parts()
+        self._scoped = ScopeCache()
+
+    @property
+    def loop(self) -> Loop:
+        """The corrective loop over this engine's parts (``core/loop.py``): the retriever's, and the answer step."""
+        return replace(self._retriever.loop, answering=self._answering())
+
+    def _answering(self) -> Answering:
+        return Answering(
+            mode=self.answer_mode,
+            synthesizer=self._synthesizer,
+            quoter=self._quoter,
+            checker=self._checker,
+            callback_manager=self.callback_manager,
+            quoting=self._quoting_synthesizer,
+        )
+
+    @property
+    def quoter(self) -> EvidenceQuoter:
+        """What quotes the evidence (``answer_mode="extract"``, and beside an answer that fails its check)."""
+        return self._quoter
+
+    @property
+    def checker(self) -> GroundednessChecker:
+        """The check of a generated answer against its evidence."""
+        return self._checker
 
     @property
     def retriever(self) -> CorrectiveRetriever:
@@ -286,110 +318,19 @@ class CorrectiveQueryEngine(AnswerSteps, BaseQueryEngine):
 
     @dispatcher.span
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        return drive(self._loop(query_bundle, is_async=False))
+        return drive(self.loop.run(query_bundle, is_async=False))
 
     @dispatcher.span
     async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        return await adrive(self._loop(query_bundle, is_async=True))
+        return await adrive(self.loop.run(query_bundle, is_async=True))
 
-    def _loop(self, query_bundle: QueryBundle, is_async: bool) -> Steps[RESPONSE_TYPE]:
-        """The corrective loop for one query; a question that asks several things, part by part (each part's
-        loop in its own span, ``core/compound.py``). A single question costs one regular-expression pass more."""
-        s = self.settings
-        split = split_question(query_bundle.query_str, s.max_parts) if s.enabled and s.split_compound else None
-        if split is None or not split.compound:
-            return (yield from self._one(query_bundle, is_async))
-        streaming = bool(getattr(self._synthesizer, "_streaming", False))
-        # Each part is answered whole (its check run), then the parts are put together and streamed in one piece.
-        engine = self.variant(streaming=False) if streaming else self
-        responses = []
-        for number, part in enumerate(split.parts, start=1):
-            with step_span("part", part=number, parts=len(split.parts)) as span:
-                response = yield from engine._one(QueryBundle(part), is_async)
-                crag = (response.metadata or {}).get("crag") or {}
-                span.outcome = "abstained" if crag.get("abstained") else str(crag.get("action"))
-            responses.append(response)
-        return combined(split, responses, s.abstain_text, streaming, is_async)
-
-    def _one(self, query_bundle: QueryBundle, is_async: bool) -> Steps[RESPONSE_TYPE]:
-        """The corrective loop for one question: the retriever's steps, then the answer step's."""
-        with self.callback_manager.event(
-            CBEventType.QUERY, payload={EventPayload.QUERY_STR: query_bundle.query_str}
-        ) as query_event:
-            with self.callback_manager.event(
-                CBEventType.RETRIEVE, payload={EventPayload.QUERY_STR: query_bundle.query_str}
-            ) as retrieve_event:
-                correction = yield from self._retriever.steps(query_bundle)
-                retrieve_event.on_end(payload={EventPayload.NODES: correction.nodes})
-            response = yield from self._answer(correction.query_bundle, correction.nodes, correction.trace, is_async)
-            query_event.on_end(payload={EventPayload.RESPONSE: response})
-        return response
-
-    def _answer(
-        self, query_bundle: QueryBundle, context: List[NodeWithScore], trace: CragTrace, is_async: bool
-    ) -> Steps[RESPONSE_TYPE]:
-        """The answer step: quote the evidence, or generate from it and check the answer; or abstain."""
-        s = self.settings
-        streaming = bool(getattr(self._synthesizer, "_streaming", False))
-        trace.answer_mode = self.answer_mode if s.enabled else "generate"
-        response: Optional[RESPONSE_TYPE] = None
-        if not trace.abstained and trace.answer_mode == "extract":
-            with self.callback_manager.event(
-                CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_bundle.query_str}
-            ) as synthesize_event:
-                quoted = yield from self._quote(query_bundle, context, trace)
-                if quoted.quotes:
-                    trace.answered_by = "extract"
-                    response = text_response(quoted.text, context, streaming, is_async)
-                elif quoted.withheld:
-                    trace.abstain(
-                        f"no strip of the graded passages answers the question: the answer model gives the best one "
-                        f"{quoted.grade:.3f}, under the quote threshold {quoted.threshold:.3f}{_graded_at(trace)}"
-                    )
-                else:
-                    trace.abstain("the graded passages hold no strip that may be quoted")
-                synthesize_event.on_end(payload={EventPayload.RESPONSE: response})
-        elif not trace.abstained:
-            response = yield from self._generate(query_bundle, context, trace)
-            trace.answered_by = "generate"
-            if s.enabled and s.check_answers and not streaming:
-                response = yield from self._check(query_bundle, context, response, trace, is_async)
-        if trace.abstained or response is None:
-            trace.answered_by = "abstain"
-            response = text_response(s.abstain_text, [], streaming, is_async)
-        response.metadata = {**(response.metadata or {}), "crag": trace.to_dict()}
-        if trace.answered_by == "generate" and streaming and s.enabled and s.check_answers:
-            check_when_streamed(response, self._stream_check(query_bundle, context, response))
-        if not trace.abstained and trace.broadened:
-            _say_broadened(response, trace.broadened)
-        dispatcher.event(trace.action_event())
-        return response
-
-
-def _say_broadened(response: RESPONSE_TYPE, keys: List[str]) -> None:
-    """Begin the answer with a line saying it came from a search with ``keys`` relaxed (``broaden=``)."""
-    note = f"(From a broadened search: the filter on {', '.join(keys)} was relaxed.)\n"
-    tokens = getattr(response, "response_gen", None)
-    if tokens is None:
-        response.response = f"{note}{response.response or ''}"  # type: ignore[union-attr]
-    elif hasattr(tokens, "__aiter__"):
-
-        async def noted_async() -> Any:
-            yield note
-            async for token in tokens:
-                yield token
-
-        response.response_gen = noted_async()  # type: ignore[union-attr]
-    else:
-
-        def noted() -> Any:
-            yield note
-            yield from tokens
-
-        response.response_gen = noted()  # type: ignore[union-attr]
-
-
-def _graded_at(trace: CragTrace) -> str:
-    """What the quote threshold was set by, for an abstention's reason: the grade of the evidence."""
-    grade = evidence_grade(trace.action, trace.top_score, trace.retry_score)
-    return "" if grade is None else f" for evidence graded {grade:.3f}"
+    def _quoting_synthesizer(self) -> BaseSynthesizer:
+        """The synthesizer with the quoted-source templates, for contexts that hold web pages."""
+        templates = self._quoting_prompts.get_prompts()
+        key = tuple(id(v) for v in templates.values())
+        if self._quoting is None or self._quoting[0] != key:  # built again after update_prompts
+            quoting = copy.copy(self._synthesizer)
+            prompts = quoting.get_prompts()
+            quoting.update_prompts({k: v for k, v in templates.items() if k in prompts})
+            self._quoting = (key, quoting)
+        return self._quoting[1]

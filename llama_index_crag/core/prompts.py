@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import List, Sequence
 
-from llama_index.core.prompts import PromptTemplate
+from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
+from llama_index.core.prompts.mixin import PromptDictType, PromptMixin, PromptMixinType
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
 
 from llama_index_crag.web.retriever import is_web
@@ -73,3 +74,28 @@ def quote_sources(nodes: Sequence[NodeWithScore]) -> List[NodeWithScore]:
         text = f"{head}\n{defused}\n</source>"
         quoted.append(NodeWithScore(node=TextNode(id_=node.node_id, text=text), score=hit.score))
     return quoted
+
+
+class QuotingPrompts(PromptMixin):
+    """The generator's templates when web pages are among the sources (every source quoted, sources as data).
+
+    A prompt module of the engine: ``engine.get_prompts()`` lists them as
+    ``quoting:text_qa_template`` and ``quoting:refine_template``, and ``update_prompts``
+    changes them.
+    """
+
+    def __init__(self) -> None:
+        self.text_qa_template: BasePromptTemplate = QUOTED_QA_TEMPLATE
+        self.refine_template: BasePromptTemplate = QUOTED_REFINE_TEMPLATE
+
+    def _get_prompts(self) -> PromptDictType:
+        return {"text_qa_template": self.text_qa_template, "refine_template": self.refine_template}
+
+    def _get_prompt_modules(self) -> PromptMixinType:
+        return {}
+
+    def _update_prompts(self, prompts_dict: PromptDictType) -> None:
+        if "text_qa_template" in prompts_dict:
+            self.text_qa_template = prompts_dict["text_qa_template"]
+        if "refine_template" in prompts_dict:
+            self.refine_template = prompts_dict["refine_template"]

@@ -3,28 +3,27 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence, Union
 
 from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.callbacks import CallbackManager
+from llama_index.core.indices.base import BaseIndex
+from llama_index.core.llms import LLM
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.settings import Settings
 
-from llama_index_crag.core.builder import corrective_retriever
-from llama_index_crag.core.correction import Broadening, CorrectionSteps, not_incorrect, record
-from llama_index_crag.core.driver import Io, Steps, adrive, bind, drive
-from llama_index_crag.core.grader import RelevanceGrader, Verdict
+from llama_index_crag.core.builder import retriever_parts
+from llama_index_crag.core.driver import Steps, adrive, drive
+from llama_index_crag.core.grader import RelevanceGrader
+from llama_index_crag.core.loop import Broadening, Correction, Loop
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
-from llama_index_crag.core.trace import CragTrace, step_span
-from llama_index_crag.errors import InvalidQueryError
 from llama_index_crag.scope import UNBOUNDED, Scope, ScopeCache, ScopeLike, scoped_retriever
-from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
-from llama_index_crag.scorers.language import language_warning
-from llama_index_crag.text.cleaning import clean_nodes, clean_text, is_blank
+from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.web.settings import WebSearchSettings
 
 #: Metadata key of every node the retriever returns: the decision trace of the call (``CragTrace.to_dict()``,
 #: the dict an engine puts in ``response.metadata["crag"]``), hidden from the LLM and the embedder.
@@ -33,22 +32,14 @@ TRACE_KEY = "crag"
 ABSTAINED_KEY = "crag_abstained"
 
 
-@dataclass
-class Correction:
-    """The loop's outcome before the answer step: the checked query, the kept evidence, and the trace."""
-
-    query_bundle: QueryBundle
-    nodes: List[NodeWithScore]
-    trace: CragTrace
-
-
-class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
+class CorrectiveRetriever(BaseRetriever):
     """A retriever that grades what it found and corrects it: CRAG up to, not including, the answer.
 
     It retrieves with the primary retriever, grades every candidate, and then keeps the
     candidates not graded incorrect (CORRECT), their relevant knowledge strips
     (AMBIGUOUS), or rewrites the query and grades the fallback's hits (INCORRECT); see
-    ``docs/loop.md``. The nodes returned are the kept evidence, scored with their grades,
+    ``docs/loop.md``; the loop itself is ``core/loop.py``'s, run over this retriever's parts.
+    The nodes returned are the kept evidence, scored with their grades,
     so any LlamaIndex consumer (``CondensePlusContextChatEngine``, ``ContextChatEngine``,
     an agent's tool, a workflow step) answers from corrected context.
 
@@ -101,20 +92,107 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
         self.settings = settings
         super().__init__(callback_manager=callback_manager or Settings.callback_manager)
 
-    #: Build the retriever around what the user already has: the arguments of ``CorrectiveQueryEngine.from_defaults``
-    #: but those of its answer step (``core/builder.py`` says how).
-    from_defaults = classmethod(corrective_retriever)
+    @classmethod
+    def from_defaults(
+        cls,
+        index: Optional[BaseIndex] = None,
+        retriever: Optional[BaseRetriever] = None,
+        nodes: Optional[Sequence[BaseNode]] = None,
+        llm: Optional[LLM] = None,
+        scorer: Optional[RelevanceScorer] = None,
+        embed_model: Optional[BaseEmbedding] = None,
+        node_postprocessors: Optional[Sequence[BaseNodePostprocessor]] = None,
+        fallback: Optional[BaseRetriever] = None,
+        fallback_sources: Sequence[str] = ("bm25", "sentence_window"),
+        web: Union[None, bool, Mapping[str, Any], WebSearchSettings] = None,
+        calibration_path: Optional[str] = None,
+        callback_manager: Optional[CallbackManager] = None,
+        vector_store: Optional[Any] = None,
+        filters: ScopeLike = None,
+        broaden: Sequence[str] = (),
+        **settings: Any,
+    ) -> CorrectiveRetriever:
+        """Build the corrective retriever around what the user already has (its parts: ``core/builder.py``).
+
+        Give a ``vector_store`` (a ``PGVectorStore`` or ``postgresql://`` URL filled by
+        ``llama-crag ingest --store``: retrieval, fallback and word statistics then stay in
+        PostgreSQL, see ``docs/postgres.md``), an ``index``, a ``retriever`` or ``nodes`` (an in-memory vector
+        index is built over them). The fallback retriever is built over the same nodes (taken
+        from ``nodes`` or the index's docstore); with no nodes at hand (a remote vector
+        store), the rewritten query goes back through the primary retriever.
+
+        ``scorer`` defaults to the offline ``EvidenceScorer`` (bundled MiniLM plus lexical
+        and answer-type evidence, IDF from the same nodes), or to a ``ReaderScorer`` over
+        the grader directory in ``CRAG_GRADER`` (``llama-crag train-grader``). Any keyword
+        of ``CragSettings`` (``upper``, ``lower``, ``max_rewrites``, ``enabled`` ...)
+        may be passed; it wins over ``CRAG_*`` variables and the calibration file.
+
+        ``filters`` (LlamaIndex ``MetadataFilters``, their JSON, or ``{"tenant": "acme"}``) bound every
+        path that retrieves: the primary retriever, BM25, sentence windows, the rewrite's search and
+        hybrid search only see nodes whose metadata match, and every candidate is checked against them
+        (``docs/scope.md``). A given ``retriever=``'s own filters are read and kept. Where a given
+        retriever's scope cannot be read (a custom retriever) and no ``filters=`` are given, the
+        fallback searches back through that retriever only, never the index around it.
+
+        ``broaden`` (opt-in) names keys of ``filters`` that narrow for relevance, not for access (a
+        product line, a year): when the INCORRECT branch's rewrite finds nothing inside the filters,
+        it searches once more with those keys' conditions dropped. Only top-level conditions of
+        ``filters`` can be named, and a key a caller's ``scoped`` filters name is never dropped.
+
+        ``web`` turns on the web-search source of the fallback (off by default): ``True``,
+        a dict of ``WebSearchSettings`` fields, or the settings themselves; ``CRAG_WEB=on``
+        and ``CRAG_WEB_*`` variables do the same, and ``CRAG_WEB_FORBIDDEN=true`` forbids
+        sending anything whatever the code says.
+        """
+        return cls(
+            **retriever_parts(
+                index=index,
+                retriever=retriever,
+                nodes=nodes,
+                llm=llm,
+                scorer=scorer,
+                embed_model=embed_model,
+                node_postprocessors=node_postprocessors,
+                fallback=fallback,
+                fallback_sources=fallback_sources,
+                web=web,
+                calibration_path=calibration_path,
+                callback_manager=callback_manager,
+                vector_store=vector_store,
+                filters=filters,
+                broaden=broaden,
+                **settings,
+            )
+        )
 
     def variant(
         self, *, explain: Optional[bool] = None, settings: Optional[CragSettings] = None
     ) -> CorrectiveRetriever:
-        """This retriever with the scorer's explanations on or off, or other settings, sharing every part."""
+        """This retriever with the scorer's explanations on or off, or other settings, sharing every model.
+
+        The settings are the one source of the thresholds: the grader and the refiner of the
+        variant are copies holding the new values (``CragSettings.check_parts`` holds them equal).
+        """
         other = copy.copy(self)
+        other._scoped = ScopeCache()  # its scoped copies hold its own parts
+        if explain is not None:
+            settings = (settings or self.settings).model_copy(update={"explain": explain})
         if settings is not None:
             other.settings = settings
-        if explain is not None and explain != self._grader.explain:
-            other._grader = self._grader.model_copy(update={"explain": explain})
-            other.settings = other.settings.model_copy(update={"explain": explain})
+            other._grader = self._grader.model_copy(
+                update={
+                    "upper": settings.upper,
+                    "lower": settings.lower,
+                    "aggregation": settings.aggregation,
+                    "min_relevant": settings.min_relevant,
+                    "explain": settings.explain,
+                }
+            )
+            threshold = settings.lower if settings.strip_threshold is None else settings.strip_threshold
+            other._refiner = self._refiner.model_copy(
+                update={"threshold": threshold, "strip_min_tokens": settings.strip_min_tokens}
+            )
+            settings.check_parts(other._grader, other._refiner)
         return other
 
     @property
@@ -183,57 +261,24 @@ class CorrectiveRetriever(CorrectionSteps, BaseRetriever):
             return [NodeWithScore(node=_traced(TextNode(text=statement, metadata={ABSTAINED_KEY: True}), trace))]
         return [NodeWithScore(node=_traced(n.node.model_copy(), trace), score=n.score) for n in correction.nodes]
 
-    def steps(self, query_bundle: QueryBundle) -> Steps[Correction]:
-        """The loop up to the answer step, as steps for a driver (``core/driver.py``); the engine runs it too."""
-        query_bundle = checked_query(query_bundle, self.settings.max_query_chars)
-        s = self.settings
-        trace = CragTrace(
-            query=query_bundle.query_str,
-            enabled=s.enabled,
-            scorer=self._grader.scorer.name,
-            upper=self._grader.upper,
-            lower=self._grader.lower,
-            aggregation=self._grader.aggregation,
-            strip_threshold=self._refiner.threshold,
-            warnings=list(self._grader.scorer.warnings),
-            scope=self._scope.filters.model_dump(mode="json") if self._scope.filters is not None else None,
+    @property
+    def loop(self) -> Loop:
+        """The corrective loop over this retriever's parts (without an answer step: the engine adds its own)."""
+        return Loop(
+            retriever=self._retriever,
+            grader=self._grader,
+            refiner=self._refiner,
+            fallback=self._fallback,
+            rewriter=self._rewriter,
+            settings=self.settings,
+            scope=self._scope,
+            broadening=self._broadening,
+            postprocessors=tuple(self._postprocessors),
         )
-        if s.enabled and (warning := language_warning(query_bundle.query_str, self._grader.scorer)):
-            trace.warnings.append(warning)
-        with trace.timed("retrieve"):
-            nodes = yield Io(
-                lambda: self._retriever.retrieve(query_bundle), lambda: self._retriever.aretrieve(query_bundle)
-            )
-            nodes = clean_nodes(nodes)  # a retriever that does not embed can return text no tokenizer takes
-            nodes = self._scope.keep(nodes)  # a retriever that ignored the scope cannot widen it
-        if not nodes and self._scope.bounded and self._broadening is None:
-            trace.action = Verdict.INCORRECT.value if s.enabled else trace.action  # nothing to grade, none to read
-            trace.abstain(f"no passage inside the caller's scope matched ({self._scope.describe()})")
-            return Correction(query_bundle, [], trace)
-        if s.enabled:
-            reuse_retrieval_embeddings(self._grader.scorer, self._retriever, query_bundle, nodes)
-        with trace.timed("rerank"):
-            nodes = yield from self._postprocess(nodes, query_bundle, None)
 
-        context: List[NodeWithScore] = nodes
-        if s.enabled:
-            with trace.timed("grade"), step_span("grade", candidates=len(nodes)) as span:
-                grading = yield Io(
-                    bind(self._grader.grade, query_bundle, nodes), bind(self._grader.agrade, query_bundle, nodes)
-                )
-                span.outcome = grading.verdict.value
-                span.sizes["kept"] = sum(label is not Verdict.INCORRECT for label in grading.labels)
-            record(trace, nodes, grading)
-            trace.action = grading.verdict.value
-            if grading.verdict is Verdict.CORRECT:
-                context = not_incorrect(nodes, grading)
-            elif grading.verdict is Verdict.AMBIGUOUS:
-                context = yield from self._refine(query_bundle, nodes, grading, trace)
-            else:
-                context = yield from self._correct(query_bundle, trace)
-        if not context and not trace.abstained:
-            trace.abstain("no candidate passage survived retrieval and grading")
-        return Correction(query_bundle, [] if trace.abstained else context, trace)
+    def steps(self, query_bundle: QueryBundle) -> Steps[Correction]:
+        """The loop up to the answer step, as steps for a driver (``core/driver.py``)."""
+        return self.loop.correct(query_bundle)
 
 
 def _traced(node: BaseNode, trace: Any) -> BaseNode:
@@ -243,23 +288,3 @@ def _traced(node: BaseNode, trace: Any) -> BaseNode:
     node.excluded_llm_metadata_keys = [*node.excluded_llm_metadata_keys, *hidden]
     node.excluded_embed_metadata_keys = [*node.excluded_embed_metadata_keys, *hidden]
     return node
-
-
-def checked_query(query_bundle: QueryBundle, max_chars: int) -> QueryBundle:
-    """The query with characters no store or tokenizer takes replaced (``clean_text``), or a clear error."""
-    query = clean_text(query_bundle.query_str or "")
-    if is_blank(query):
-        raise InvalidQueryError("the query is empty: ask a question")
-    if len(query_bundle.query_str) > max_chars:
-        raise InvalidQueryError(
-            f"the query is {len(query_bundle.query_str):,} characters, over the limit of {max_chars:,} "
-            "(raise max_query_chars or CRAG_MAX_QUERY_CHARS if this is intended)"
-        )
-    if query == query_bundle.query_str:
-        return query_bundle
-    return QueryBundle(
-        query,
-        image_path=query_bundle.image_path,
-        custom_embedding_strs=[clean_text(t) for t in query_bundle.custom_embedding_strs or []] or None,
-        embedding=query_bundle.embedding,
-    )

@@ -1,0 +1,773 @@
+"""The corrective loop, top to bottom: retrieve, grade, branch (keep, refine, rewrite and fall back), answer, check.
+
+This module is the loop of ``docs/loop.md`` in the order it runs::
+
+    run(question):                          # the engine's query
+        parts = split(question)             # one part unless the question asks several things
+        for part in parts: one(part)
+    one(question):
+        evidence = correct(question)        # the corrective retriever's retrieve
+        return answer(question, evidence)
+    correct(question):
+        candidates = retrieve(question)
+        grading = grade(question, candidates)
+        if CORRECT:    keep the candidates not graded incorrect
+        elif AMBIGUOUS: refine them into their relevant strips (and, with ``hybrid``, add graded fallback hits)
+        else:          fall_back: rewrite, search the fallback, grade again; abstain when nothing clears ``lower``
+    answer(question, evidence):
+        quote the evidence, or generate from it and check the answer; or abstain
+
+Every step is a generator that yields its I/O (an ``Io``: how to do it sync and async, and its time
+limit) to a driver (``core/driver.py``), so one loop serves ``retrieve`` and ``aretrieve``, ``query``
+and ``aquery``. ``step`` wraps a step: its instrumentation span, its time in the trace, its I/O.
+``CorrectiveRetriever`` (``core/retriever.py``) and ``CorrectiveQueryEngine`` (``core/engine.py``) are
+adapters: they hold the parts, resolved once from the settings when they are built, and run a ``Loop``
+over them.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, AsyncGenerator, Callable, Dict, Generator, List, Optional, Sequence, Tuple
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.response.schema import RESPONSE_TYPE
+from llama_index.core.callbacks import CallbackManager, CBEventType, EventPayload
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.response_synthesizers import BaseSynthesizer
+from llama_index.core.schema import NodeWithScore, QueryBundle
+
+from llama_index_crag.answers.answer_model import evidence_place
+from llama_index_crag.answers.extract import EvidenceQuoter, QuotedAnswer
+from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
+from llama_index_crag.answers.keywords import keyword_query
+from llama_index_crag.answers.policy import outcome_of
+from llama_index_crag.answers.sources import shown
+from llama_index_crag.core.compound import combined
+from llama_index_crag.core.driver import Io, Steps, bind, check_when_streamed, left, text_response
+from llama_index_crag.core.fallback import OUTSIDE_SCOPE_KEY, SOURCE_KEY, FallbackRetriever
+from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
+from llama_index_crag.core.prompts import quote_sources
+from llama_index_crag.core.refiner import StripRefiner
+from llama_index_crag.core.rewrite import QueryRewriter
+from llama_index_crag.core.settings import CragSettings
+from llama_index_crag.core.trace import CragTrace, NodeGrade, step_span
+from llama_index_crag.errors import CorrectiveTimeout, GenerationError, InvalidQueryError, RewriteError
+from llama_index_crag.local.models import describe_llm
+from llama_index_crag.scope import Scope, scoped_retriever
+from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
+from llama_index_crag.scorers.language import language_warning
+from llama_index_crag.text.cleaning import clean_nodes, clean_text, is_blank
+from llama_index_crag.text.compound import split_question
+from llama_index_crag.web.retriever import WebSearchRetriever, collect_web_reports, is_web
+
+#: The engine's dispatcher: the loop's action event is the engine's, as its query span is.
+dispatcher = get_dispatcher("llama_index_crag.core.engine")
+#: What LlamaIndex's synthesizers answer when the LLM returned no text.
+_SYNTHESIZER_EMPTY = "Empty Response"
+
+
+@dataclass
+class Correction:
+    """The loop's outcome before the answer step: the checked query, the kept evidence, and the trace."""
+
+    query_bundle: QueryBundle
+    nodes: List[NodeWithScore]
+    trace: CragTrace
+
+
+@dataclass(frozen=True)
+class Broadening:
+    """The opt-in broadening fallback: after the rewrite fails, search again with ``keys`` relaxed.
+
+    ``floor`` is the scope without those keys (never wider: the caller's own scope is all in it),
+    and ``fallback`` searches inside ``floor``.
+    """
+
+    keys: Tuple[str, ...]
+    floor: Scope
+    fallback: BaseRetriever
+
+    def scoped(self, filters: Any) -> Broadening:
+        """This broadening for a caller narrowed to ``filters``: a key they name is never relaxed."""
+        floor = self.floor.narrow(filters)
+        return Broadening(self.keys, floor, scoped_retriever(self.fallback, floor))
+
+
+@dataclass(frozen=True)
+class Answering:
+    """The answer step's parts, the engine's: how it answers (``mode``), and what quotes, generates and checks."""
+
+    mode: str  #: "extract" (quote the evidence) or "generate"
+    synthesizer: BaseSynthesizer
+    quoter: EvidenceQuoter
+    checker: GroundednessChecker
+    callback_manager: CallbackManager
+    #: The synthesizer with the quoted-source templates, for evidence that holds web pages.
+    quoting: Callable[[], BaseSynthesizer]
+
+    @property
+    def streaming(self) -> bool:
+        return bool(getattr(self.synthesizer, "_streaming", False))
+
+    def streamed(self, streaming: bool) -> Answering:
+        """These parts with the synthesizer streaming or not (a copy sharing its LLM)."""
+        if streaming == self.streaming:
+            return self
+        synthesizer = copy.copy(self.synthesizer)
+        synthesizer._streaming = streaming  # type: ignore[attr-defined]
+        return replace(self, synthesizer=synthesizer)
+
+
+def step(trace: CragTrace, name: str, work: Any, *, stage: Optional[str] = None, **sizes: int) -> Steps[Any]:
+    """One step of the loop: ``work`` (an ``Io`` for the driver, or steps of its own) run inside the step's
+    span, its wall time added to ``trace.timings_ms[stage or name]``; the span's outcome and sizes are
+    ``describe``'s. A step that raises drops its span with the error, and its time is still counted."""
+    with trace.timed(stage or name), step_span(name, **sizes) as span:
+        result = (yield work) if isinstance(work, Io) else (yield from work)
+        span.outcome, more = describe(name, result, trace)
+        span.sizes.update(more)
+    return result
+
+
+def io(fn: Callable[..., Any], afn: Callable[..., Any], *args: Any, limit: Optional[float] = None) -> Io:
+    """The I/O of calling ``fn(*args)``, or awaiting ``afn(*args)``, within ``limit`` seconds."""
+    return Io(bind(fn, *args), bind(afn, *args), limit)
+
+
+@dataclass(frozen=True)
+class Loop:
+    """The corrective loop over its parts (see the module's docstring). Built per call; holds no state of its own."""
+
+    retriever: BaseRetriever
+    grader: RelevanceGrader
+    refiner: StripRefiner
+    fallback: Optional[BaseRetriever]
+    rewriter: Optional[QueryRewriter]
+    settings: CragSettings
+    scope: Scope
+    broadening: Optional[Broadening] = None
+    postprocessors: Sequence[BaseNodePostprocessor] = field(default_factory=tuple)
+    answering: Optional[Answering] = None
+
+    # -- the engine's query ---------------------------------------------------------------------------------------
+
+    def run(self, query_bundle: QueryBundle, is_async: bool) -> Steps[RESPONSE_TYPE]:
+        """A question, answered; one that asks several things part by part, each part's loop in its own span
+        (``core/compound.py``). A single question costs one regular-expression pass more."""
+        s, answering = self.settings, self._answering()
+        split = split_question(query_bundle.query_str, s.max_parts) if s.enabled and s.split_compound else None
+        if split is None or not split.compound:
+            return (yield from self.one(query_bundle, is_async))
+        # Each part is answered whole (its check run), then the parts are put together and streamed in one piece.
+        whole = replace(self, answering=answering.streamed(False))
+        responses = []
+        for number, part in enumerate(split.parts, start=1):
+            with step_span("part", part=number, parts=len(split.parts)) as span:
+                response = yield from whole.one(QueryBundle(part), is_async)
+                crag = (response.metadata or {}).get("crag") or {}
+                span.outcome = "abstained" if crag.get("abstained") else str(crag.get("action"))
+            responses.append(response)
+        return combined(split, responses, s.abstain_text, answering.streaming, is_async)
+
+    def one(self, query_bundle: QueryBundle, is_async: bool) -> Steps[RESPONSE_TYPE]:
+        """One question: the evidence, corrected, then the answer from it."""
+        callbacks = self._answering().callback_manager
+        with callbacks.event(CBEventType.QUERY, payload={EventPayload.QUERY_STR: query_bundle.query_str}) as query:
+            with callbacks.event(
+                CBEventType.RETRIEVE, payload={EventPayload.QUERY_STR: query_bundle.query_str}
+            ) as retrieve:
+                correction = yield from self.correct(query_bundle)
+                retrieve.on_end(payload={EventPayload.NODES: correction.nodes})
+            response = yield from self.answer(correction, is_async)
+            query.on_end(payload={EventPayload.RESPONSE: response})
+        return response
+
+    # -- the corrective retriever's retrieve ----------------------------------------------------------------------
+
+    def correct(self, query_bundle: QueryBundle) -> Steps[Correction]:
+        """Retrieve, grade, and keep, refine or correct the evidence (or abstain): the loop up to the answer."""
+        s = self.settings
+        query_bundle = checked_query(query_bundle, s.max_query_chars)
+        trace = self._trace(query_bundle)
+        with trace.timed("retrieve"):
+            nodes = yield io(self.retriever.retrieve, self.retriever.aretrieve, query_bundle)
+            nodes = clean_nodes(nodes)  # a retriever that does not embed can return text no tokenizer takes
+            nodes = self.scope.keep(nodes)  # a retriever that ignored the scope cannot widen it
+        if not nodes and self.scope.bounded and self.broadening is None:
+            trace.action = Verdict.INCORRECT.value if s.enabled else trace.action  # nothing to grade, none to read
+            trace.abstain(f"no passage inside the caller's scope matched ({self.scope.describe()})")
+            return Correction(query_bundle, [], trace)
+        if s.enabled:
+            reuse_retrieval_embeddings(self.grader.scorer, self.retriever, query_bundle, nodes)
+        with trace.timed("rerank"):
+            nodes = yield from self._postprocess(nodes, query_bundle, None)
+
+        context: List[NodeWithScore] = nodes
+        if s.enabled:
+            grading = yield from step(
+                trace, "grade", io(self.grader.grade, self.grader.agrade, query_bundle, nodes), candidates=len(nodes)
+            )
+            record(trace, nodes, grading)
+            trace.action = grading.verdict.value
+            if grading.verdict is Verdict.CORRECT:
+                context = not_incorrect(nodes, grading)
+            elif grading.verdict is Verdict.AMBIGUOUS:
+                context = yield from self.refine(query_bundle, nodes, grading, trace)
+            else:
+                context = yield from self.fall_back(query_bundle, trace)
+        if not context and not trace.abstained:
+            trace.abstain("no candidate passage survived retrieval and grading")
+        return Correction(query_bundle, [] if trace.abstained else context, trace)
+
+    def refine(
+        self, query_bundle: QueryBundle, nodes: List[NodeWithScore], grading: Grading, trace: CragTrace
+    ) -> Steps[List[NodeWithScore]]:
+        """AMBIGUOUS: keep the relevant strips of the candidates; with ``hybrid``, add graded fallback hits."""
+        s = self.settings
+        candidates = not_incorrect(nodes, grading) or nodes
+        refinement = yield from step(
+            trace,
+            "refine",
+            io(self.refiner.refine, self.refiner.arefine, query_bundle, candidates),
+            candidates=len(candidates),
+        )
+        trace.strips_kept, trace.strips_dropped = refinement.kept, refinement.dropped
+        trace.strips = [asdict(strip) for strip in refinement.strips]
+        if refinement.used_original and s.on_no_strips == "incorrect":
+            trace.no_strips = True
+            return (yield from self.fall_back(query_bundle, trace))
+        context = list(refinement.nodes)
+        if s.hybrid and self.fallback is not None:
+            deadline = time.monotonic() + s.correction_timeout_s
+            try:
+                search = query_bundle
+                if _searches_web(self.fallback) and self.rewriter is not None and s.max_rewrites > 0:
+                    rewriter = self.rewriter
+                    rewritten = yield from step(
+                        trace,
+                        "rewrite",
+                        io(rewriter.rewrite, rewriter.arewrite, query_bundle.query_str, limit=left(deadline)),
+                    )
+                    trace.rewrite_source = "llm"
+                    trace.rewrites, trace.rewritten_query, search = 1, rewritten, QueryBundle(rewritten)
+                context += yield from self.search_fallback(query_bundle, search, deadline, trace)
+            except Exception as exc:
+                trace.fallback_error = f"{type(exc).__name__}: {exc}"
+        return context
+
+    def fall_back(self, query_bundle: QueryBundle, trace: CragTrace) -> Steps[List[NodeWithScore]]:
+        """INCORRECT: rewrite (capped), retrieve through the fallback, grade again; or abstain."""
+        s = self.settings
+        deadline = time.monotonic() + s.correction_timeout_s
+        if self.fallback is None:
+            trace.abstain("retrieval graded incorrect and no fallback retriever is configured")
+            return []
+        search, tried = query_bundle.query_str, set()
+        for attempt in range(max(1, s.max_rewrites)):
+            if s.max_rewrites > 0:
+                try:
+                    search = yield from step(
+                        trace,
+                        "rewrite",
+                        self.rewrite(search, query_bundle.query_str, trace, deadline),
+                        attempt=attempt + 1,
+                    )
+                except CorrectiveTimeout:
+                    trace.abstain(f"the query rewrite ran past the {s.correction_timeout_s:g} s correction budget")
+                    return []
+                if search.casefold() in tried:
+                    break
+                tried.add(search.casefold())
+                trace.rewrites, trace.rewritten_query = attempt + 1, search
+            try:
+                hits = yield from self.search_fallback(query_bundle, QueryBundle(search), deadline, trace)
+            except CorrectiveTimeout:
+                trace.abstain(f"the fallback retrieval ran past the {s.correction_timeout_s:g} s correction budget")
+                return []
+            except Exception as exc:
+                trace.fallback_error = f"{type(exc).__name__}: {exc}"
+                trace.abstain(f"the fallback retrieval failed: {trace.fallback_error}")
+                return []
+            if hits:
+                return hits
+        broadening = self.broadening
+        if broadening is not None:
+            try:
+                hits = yield from self.search_fallback(
+                    query_bundle, QueryBundle(search), deadline, trace, broadening.fallback, broadening.floor
+                )
+            except CorrectiveTimeout:
+                hits = []
+            if hits:
+                trace.broadened = list(broadening.keys)
+                return hits
+        reason = (
+            f"after {trace.rewrites} rewrite(s) the fallback's best score "
+            f"{trace.retry_score or 0.0:.3f} is still below lower={self.grader.lower:.3f}"
+            + (f", with {', '.join(broadening.keys)} relaxed too" if broadening is not None else "")
+        )
+        trace.abstain(reason + _web_shortfall(trace))
+        return []
+
+    def rewrite(self, search: str, question: str, trace: CragTrace, deadline: float) -> Steps[str]:
+        """The LLM's rewrite of ``search``; when it fails (or there is no LLM), the question's keywords.
+
+        A small model's JSON rewrite is often invalid, empty, unchanged or noise, and a large
+        model on a CPU can be slow: the deterministic keyword rewrite (``keyword_query``)
+        replaces a failed one, and one past ``rewrite_timeout_s`` while the correction budget
+        has time left, so the engine never abstains for a broken rewrite, only for missing
+        evidence.
+        """
+        if self.rewriter is not None:
+            rewriter = self.rewriter
+            own = self.settings.rewrite_timeout_s or self.settings.correction_timeout_s / 2
+            try:
+                rewritten = yield io(rewriter.rewrite, rewriter.arewrite, search, limit=min(left(deadline), own))
+                trace.rewrite_source = "llm"
+                return str(rewritten)
+            except RewriteError as exc:
+                trace.rewrite_error = str(exc)
+            except CorrectiveTimeout:
+                if left(deadline) <= 0:  # the whole budget is spent: nothing left to search with
+                    raise
+                trace.rewrite_error = f"the LLM rewrite ran past its {own:g} s limit (rewrite_timeout_s)"
+        trace.rewrite_source = "keyword"
+        return keyword_query(question)
+
+    def search_fallback(
+        self,
+        question: QueryBundle,
+        search: QueryBundle,
+        deadline: float,
+        trace: CragTrace,
+        fallback: Optional[BaseRetriever] = None,
+        scope: Optional[Scope] = None,
+    ) -> Steps[List[NodeWithScore]]:
+        """Retrieve ``search`` through the fallback (or ``fallback``, inside ``scope``: the broadening's) and keep
+        what grades relevant to ``question``."""
+        fallback = fallback or self.fallback
+        assert fallback is not None
+        with collect_web_reports() as reports:
+            try:
+                hits = yield from step(trace, "fallback", self._fallback_hits(fallback, search, deadline, scope))
+            finally:
+                trace.web.extend(report.to_dict() for report in reports)
+        trace.fallback_sources = sorted({h.node.metadata.get(SOURCE_KEY, "fallback") for h in hits})
+        grading = yield from step(trace, "regrade", self._regrade(question, hits, deadline), candidates=len(hits))
+        record(trace, hits, grading)
+        trace.retry_score = grading.aggregate
+        if grading.verdict is Verdict.INCORRECT:
+            return []
+        return not_incorrect(hits, grading)
+
+    # -- the engine's answer --------------------------------------------------------------------------------------
+
+    def answer(self, correction: Correction, is_async: bool) -> Steps[RESPONSE_TYPE]:
+        """Quote the evidence, or generate from it and check the answer; or abstain."""
+        s, answering = self.settings, self._answering()
+        query_bundle, context, trace = correction.query_bundle, correction.nodes, correction.trace
+        streaming = answering.streaming
+        trace.answer_mode = answering.mode if s.enabled else "generate"
+        response: Optional[RESPONSE_TYPE] = None
+        if not trace.abstained and trace.answer_mode == "extract":
+            with answering.callback_manager.event(
+                CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_bundle.query_str}
+            ) as synthesize:
+                quoted = yield from self.quote(query_bundle, context, trace)
+                if quoted.quotes:
+                    trace.answered_by = "extract"
+                    response = text_response(quoted.text, context, streaming, is_async)
+                elif quoted.withheld:
+                    trace.abstain(
+                        f"no strip of the graded passages answers the question: the answer model gives the best one "
+                        f"{quoted.grade:.3f}, under the quote threshold {quoted.threshold:.3f}{_graded_at(trace)}"
+                    )
+                else:
+                    trace.abstain("the graded passages hold no strip that may be quoted")
+                synthesize.on_end(payload={EventPayload.RESPONSE: response})
+        elif not trace.abstained:
+            response = yield from self.generate(query_bundle, context, trace)
+            trace.answered_by = "generate"
+            if s.enabled and s.check_answers and not streaming:
+                response = yield from self.check(query_bundle, context, response, trace, is_async)
+        if trace.abstained or response is None:
+            trace.answered_by = "abstain"
+            response = text_response(s.abstain_text, [], streaming, is_async)
+        response.metadata = {**(response.metadata or {}), "crag": trace.to_dict()}
+        if trace.answered_by == "generate" and streaming and s.enabled and s.check_answers:
+            check_when_streamed(response, self.check_streamed(query_bundle, context, response))
+        if not trace.abstained and trace.broadened:
+            _say_broadened(response, trace.broadened)
+        dispatcher.event(trace.action_event())
+        return response
+
+    def quote(self, query_bundle: QueryBundle, context: List[NodeWithScore], trace: CragTrace) -> Steps[QuotedAnswer]:
+        """The best strips of the evidence, quoted with their sources (recorded in the trace)."""
+        quoter = self._answering().quoter
+        place = evidence_place(
+            evidence_grade(trace.action, trace.top_score, trace.retry_score), trace.upper, trace.lower
+        )
+        quoted = yield from step(
+            trace,
+            "quote",
+            io(quoter.quote, quoter.aquote, query_bundle.query_str, context, place),
+            stage="extract",
+            passages=len(context),
+        )
+        trace.quotes = quoted.to_list()
+        trace.quote_check = quoted.check()
+        return quoted  # type: ignore[no-any-return]
+
+    def generate(
+        self, query_bundle: QueryBundle, context: List[NodeWithScore], trace: CragTrace
+    ) -> Steps[RESPONSE_TYPE]:
+        """The synthesizer's answer from the evidence (web pages quoted between source tags)."""
+        answering = self._answering()
+        synthesizer, sources = answering.synthesizer, context
+        if any(is_web(n) for n in context):
+            context = sorted(context, key=is_web)
+            synthesizer, sources = answering.quoting(), quote_sources(context)
+        with trace.timed("generate"):  # the synthesizer's own spans are the step's
+            try:
+                response = yield io(synthesizer.synthesize, synthesizer.asynthesize, query_bundle, sources)
+            except Exception as exc:
+                raise self.generation_error(exc) from exc
+        response.source_nodes = list(context)
+        tokens = getattr(response, "response_gen", None)
+        if tokens is not None:  # streamed: the generator is called as the tokens are read
+            response.response_gen = _named_failures(tokens, self.generation_error)  # type: ignore[union-attr]
+        return response  # type: ignore[no-any-return]
+
+    def check(
+        self,
+        query_bundle: QueryBundle,
+        context: List[NodeWithScore],
+        response: RESPONSE_TYPE,
+        trace: CragTrace,
+        is_async: bool,
+    ) -> Steps[Optional[RESPONSE_TYPE]]:
+        """Check a generated answer against its evidence and apply ``on_ungrounded``; None means abstain."""
+        checker = self._answering().checker
+        question, answer = query_bundle.query_str, str(getattr(response, "response", None) or "")
+        if answer.strip() == _SYNTHESIZER_EMPTY:
+            answer = ""
+        evidence = context_texts(context)
+        check = yield from step(
+            trace,
+            "check",
+            _checked(io(checker.check, checker.acheck, answer, evidence, question)),
+            passages=len(evidence),
+        )
+        policy = self.settings.on_ungrounded
+        outcome = outcome_of(check, policy)
+        trace.grounded = check.grounded
+        trace.answer_check = {**check.to_dict(), "policy": policy, "outcome": outcome}
+        if outcome == "kept":
+            return response
+        quoted = yield from self.quote(query_bundle, context, trace)
+        if outcome == "flagged":
+            return response
+        if outcome == "extract" and quoted.quotes:
+            trace.answered_by = "extract"
+            return text_response(quoted.text, context, False, is_async)
+        unsupported = ", ".join(check.unsupported[:5])
+        withheld = (
+            f"; the answer model gives its best strip {quoted.grade:.3f}, under the quote threshold "
+            f"{quoted.threshold:.3f}, so they were not given instead"
+            if quoted.withheld and quoted.grade is not None
+            else ""
+        )
+        trace.abstain(
+            f"the generated answer failed its check against the sources ({check.reason}"
+            + (f"; unsupported: {unsupported}" if unsupported else "")
+            + ")"
+            + withheld
+        )
+        return None
+
+    def check_streamed(
+        self, query_bundle: QueryBundle, context: List[NodeWithScore], response: RESPONSE_TYPE
+    ) -> Callable[[str, Optional[str]], None]:
+        """The check of a streamed answer, run when its stream ends, recorded in the response's trace.
+
+        The same check as ``check``; a streamed answer was already sent, so ``on_ungrounded``
+        cannot replace it: an ungrounded one is flagged, with the quoted evidence beside it.
+        """
+        answering = self._answering()
+
+        def finish(answer: str, cut: Optional[str]) -> None:
+            crag = response.metadata["crag"]  # type: ignore[index]
+            started = time.perf_counter()
+            if cut is not None:
+                check = AnswerCheck("incomplete", None, reason=f"the stream ended before the answer did: {cut}")
+            else:
+                check = _checked_now(answering.checker, answer, context_texts(context), query_bundle.query_str)
+            outcome = outcome_of(check, "flag")
+            if outcome != "kept":
+                try:
+                    bands = crag["thresholds"]
+                    grade = evidence_grade(crag["action"], crag.get("top_score"), crag.get("retry_score"))
+                    place = evidence_place(grade, bands["upper"], bands["lower"])
+                    quoted = answering.quoter.quote(query_bundle.query_str, context, place)
+                    crag["quotes"] = quoted.to_list()
+                    crag["quote_check"] = quoted.check()
+                except Exception as exc:
+                    crag["quotes"] = []
+                    check.reason = f"{check.reason}; the evidence could not be quoted: {type(exc).__name__}: {exc}"
+            crag["grounded"] = check.grounded
+            crag["answer_check"] = {
+                **check.to_dict(),
+                "policy": self.settings.on_ungrounded,
+                "outcome": outcome,
+                "streamed": True,
+            }
+            elapsed = round((time.perf_counter() - started) * 1000.0, 3)
+            timings = crag["timings_ms"]
+            timings["check"] = elapsed
+            timings["crag_ms"] = round(timings.get("crag_ms", 0.0) + elapsed, 3)
+
+        return finish
+
+    def generation_error(self, exc: BaseException) -> GenerationError:
+        """What a failing generator raises: a ``GenerationError`` that names the model and its server."""
+        llm = getattr(self._answering().synthesizer, "_llm", None)
+        return GenerationError(
+            f"the generator {describe_llm(llm) if llm is not None else ''} failed: {type(exc).__name__}: {exc}"
+        )
+
+    # -- the steps' small parts -----------------------------------------------------------------------------------
+
+    def _trace(self, query_bundle: QueryBundle) -> CragTrace:
+        trace = CragTrace(
+            query=query_bundle.query_str,
+            enabled=self.settings.enabled,
+            scorer=self.grader.scorer.name,
+            upper=self.grader.upper,
+            lower=self.grader.lower,
+            aggregation=self.grader.aggregation,
+            strip_threshold=self.refiner.threshold,
+            warnings=list(self.grader.scorer.warnings),
+            scope=self.scope.filters.model_dump(mode="json") if self.scope.filters is not None else None,
+        )
+        if self.settings.enabled and (warning := language_warning(query_bundle.query_str, self.grader.scorer)):
+            trace.warnings.append(warning)
+        return trace
+
+    def _answering(self) -> Answering:
+        if self.answering is None:
+            raise TypeError("this loop has no answer step: build it from a CorrectiveQueryEngine")
+        return self.answering
+
+    def _postprocess(
+        self, nodes: List[NodeWithScore], query_bundle: QueryBundle, deadline: Optional[float]
+    ) -> Steps[List[NodeWithScore]]:
+        """Run the pipeline's own postprocessors (e.g. the reranker whose scores grading reuses)."""
+        for postprocessor in self.postprocessors:
+            nodes = yield io(
+                postprocessor.postprocess_nodes,
+                postprocessor.apostprocess_nodes,
+                nodes,
+                query_bundle,
+                limit=None if deadline is None else left(deadline),
+            )
+        return nodes
+
+    def _fallback_hits(
+        self, fallback: BaseRetriever, search: QueryBundle, deadline: float, scope: Optional[Scope]
+    ) -> Steps[List[NodeWithScore]]:
+        hits = yield io(fallback.retrieve, fallback.aretrieve, search, limit=left(deadline))
+        return _in_scope(clean_nodes(hits), fallback, scope or self.scope)
+
+    def _regrade(self, question: QueryBundle, hits: List[NodeWithScore], deadline: float) -> Steps[Grading]:
+        hits = yield from self._postprocess(hits, question, deadline)
+        return (yield io(self.grader.grade, self.grader.agrade, question, hits, limit=left(deadline)))
+
+
+def describe(name: str, result: Any, trace: CragTrace) -> Tuple[str, Dict[str, int]]:
+    """A step's outcome and sizes for its span, from what it returned."""
+    if isinstance(result, Grading):
+        return result.verdict.value, {"kept": sum(label is not Verdict.INCORRECT for label in result.labels)}
+    if name == "refine":
+        return ("original" if result.used_original else "strips"), {
+            "strips_kept": result.kept,
+            "strips_dropped": result.dropped,
+        }
+    if name == "fallback":
+        return ("hits" if result else "empty"), {"hits": len(result)}
+    if name == "rewrite":
+        return trace.rewrite_source or "llm", {}
+    if isinstance(result, QuotedAnswer):
+        return ("quoted" if result.quotes else "withheld" if result.withheld else "none"), {
+            "quotes": len(result.quotes),
+            "withheld": len(result.withheld),
+        }
+    if isinstance(result, AnswerCheck):
+        return (result.status if result.grounded is None else "grounded" if result.grounded else "ungrounded"), {}
+    return "", {}
+
+
+def checked_query(query_bundle: QueryBundle, max_chars: int) -> QueryBundle:
+    """The query with characters no store or tokenizer takes replaced (``clean_text``), or a clear error."""
+    query = clean_text(query_bundle.query_str or "")
+    if is_blank(query):
+        raise InvalidQueryError("the query is empty: ask a question")
+    if len(query_bundle.query_str) > max_chars:
+        raise InvalidQueryError(
+            f"the query is {len(query_bundle.query_str):,} characters, over the limit of {max_chars:,} "
+            "(raise max_query_chars or CRAG_MAX_QUERY_CHARS if this is intended)"
+        )
+    if query == query_bundle.query_str:
+        return query_bundle
+    return QueryBundle(
+        query,
+        image_path=query_bundle.image_path,
+        custom_embedding_strs=[clean_text(t) for t in query_bundle.custom_embedding_strs or []] or None,
+        embedding=query_bundle.embedding,
+    )
+
+
+def not_incorrect(nodes: List[NodeWithScore], grading: Grading) -> List[NodeWithScore]:
+    """The candidates not graded incorrect, scored with their grades."""
+    return [
+        NodeWithScore(node=n.node, score=score)
+        for n, score, label in zip(nodes, grading.scores, grading.labels)
+        if label is not Verdict.INCORRECT
+    ]
+
+
+def record(trace: CragTrace, nodes: Sequence[NodeWithScore], grading: Grading) -> None:
+    """Add each candidate's grade to the trace; the first grading's batch and top scores are the trace's."""
+    first = not trace.nodes
+    explanations: List[Optional[Dict[str, Any]]] = [None] * len(nodes)
+    if grading.explanations is not None:
+        explanations = list(grading.explanations)
+    trace.nodes.extend(
+        NodeGrade(
+            node_id=n.node.node_id,
+            doc_id=shown(n.node.metadata.get("doc_id") or n.node.ref_doc_id) or None,  # a UUID or date in JSON
+            score=round(score, 4),
+            label=label.value,
+            source=n.node.metadata.get(SOURCE_KEY, "retriever"),
+            explanation=explanation,
+        )
+        for n, score, label, explanation in zip(nodes, grading.scores, grading.labels, explanations)
+    )
+    if first:
+        trace.aggregate_score = round(grading.aggregate, 4)
+        trace.top_score = round(grading.top_score, 4)
+
+
+def evidence_grade(action: str, top_score: Optional[float], retry_score: Optional[float]) -> Optional[float]:
+    """The grader's grade of the evidence an answer comes from: the retrieved passages' top score, or for evidence
+    the fallback found (action "incorrect"), its own grade."""
+    if action == Verdict.INCORRECT.value and retry_score is not None:
+        return retry_score
+    return top_score
+
+
+def context_texts(context: Sequence[NodeWithScore]) -> List[str]:
+    """The passage texts an answer was generated from, as the generator saw them."""
+    return [n.node.get_content() for n in context]
+
+
+def _checked(check: Io) -> Steps[AnswerCheck]:
+    """The answer check's I/O; a check that fails is an "error" outcome, never an answer kept or lost by it."""
+    try:
+        return (yield check)  # type: ignore[no-any-return]
+    except Exception as exc:
+        return AnswerCheck("error", None, reason=f"the check failed: {type(exc).__name__}: {exc}")
+
+
+def _checked_now(checker: GroundednessChecker, answer: str, evidence: List[str], question: str) -> AnswerCheck:
+    try:
+        return checker.check(answer, evidence, question)
+    except Exception as exc:
+        return AnswerCheck("error", None, reason=f"the check failed: {type(exc).__name__}: {exc}")
+
+
+def _in_scope(hits: List[NodeWithScore], fallback: BaseRetriever, scope: Scope) -> List[NodeWithScore]:
+    """The fallback's hits inside ``scope``; the web's (marked by ``FallbackRetriever``, which strips the mark
+    from every other source) are outside every document scope and kept."""
+    if not scope.bounded:
+        return hits
+    tagged = isinstance(fallback, FallbackRetriever)
+    return [h for h in hits if (tagged and h.node.metadata.get(OUTSIDE_SCOPE_KEY) is True) or scope.admits_node(h)]
+
+
+def _searches_web(retriever: BaseRetriever) -> bool:
+    if isinstance(retriever, FallbackRetriever):
+        return any(_searches_web(r) for r in retriever.retrievers.values())
+    return isinstance(retriever, WebSearchRetriever)
+
+
+def _web_shortfall(trace: CragTrace) -> str:
+    """Why the web gave nothing, for the abstention reason (empty when the web was not asked)."""
+    if not trace.web:
+        return ""
+    last = trace.web[-1]
+    if last["forbidden"] or last["skipped"]:
+        return f"; the web was not searched: {last['skipped']}"
+    if not last["urls_used"]:
+        refused = "; ".join(f"{r['url']}: {r['reason']}" for r in last["refused"][:5])
+        return f"; no web page could be used ({refused or 'the search returned no results'})"
+    return ""
+
+
+def _graded_at(trace: CragTrace) -> str:
+    """What the quote threshold was set by, for an abstention's reason: the grade of the evidence."""
+    grade = evidence_grade(trace.action, trace.top_score, trace.retry_score)
+    return "" if grade is None else f" for evidence graded {grade:.3f}"
+
+
+def _say_broadened(response: RESPONSE_TYPE, keys: List[str]) -> None:
+    """Begin the answer with a line saying it came from a search with ``keys`` relaxed (``broaden=``)."""
+    note = f"(From a broadened search: the filter on {', '.join(keys)} was relaxed.)\n"
+    tokens = getattr(response, "response_gen", None)
+    if tokens is None:
+        response.response = f"{note}{response.response or ''}"  # type: ignore[union-attr]
+    elif hasattr(tokens, "__aiter__"):
+
+        async def noted_async() -> Any:
+            yield note
+            async for token in tokens:
+                yield token
+
+        response.response_gen = noted_async()  # type: ignore[union-attr]
+    else:
+
+        def noted() -> Any:
+            yield note
+            yield from tokens
+
+        response.response_gen = noted()  # type: ignore[union-attr]
+
+
+def _named_failures(tokens: Any, error: Callable[[BaseException], GenerationError]) -> Any:
+    """A streamed answer's tokens, a failure of the generator while they are read raised as ``error`` makes it (a
+    ``GenerationError``, as an answer that is not streamed raises), sync or async as ``tokens`` are."""
+    if hasattr(tokens, "__aiter__"):
+
+        async def named_async() -> AsyncGenerator[str, None]:
+            try:
+                async for token in tokens:
+                    yield token
+            except GenerationError:
+                raise
+            except Exception as exc:
+                raise error(exc) from exc
+
+        return named_async()
+
+    def named() -> Generator[str, None, None]:
+        try:
+            yield from tokens
+        except GenerationError:
+            raise
+        except Exception as exc:
+            raise error(exc) from exc
+
+    return named()
