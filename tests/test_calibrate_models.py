@@ -188,3 +188,46 @@ def test_doctor_names_the_calibration_in_force(index_dir: Path, monkeypatch: pyt
     assert "scorer evidence:all-MiniLM-L6-v2" in check.detail
     monkeypatch.setenv("CRAG_CALIBRATION", str(index_dir / "calibration.json"))
     assert f"CRAG_CALIBRATION={index_dir / 'calibration.json'}" in check_calibration().detail
+
+
+def test_an_index_embedded_with_another_model_is_updated_calibrated_and_asked_with_it(
+    docs: Path, other_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    index_dir = tmp_path / "index"
+    assert main(["ingest", str(docs), "--out", str(index_dir), "--embed-model", str(other_model_dir), "--no-warm"]) == 0
+    manifest = json.loads((index_dir / "manifest.json").read_text())
+    assert Path(manifest["embed_model"]).name == "other-minilm", manifest["embed_model"]
+    assert Path(load_index(index_dir).embed_model.model_name).name == "other-minilm"  # read from the index
+
+    # An update without --embed-model embeds as the index was embedded; nothing is embedded again.
+    (docs / "harbor.txt").write_text(DOCUMENTS["harbor.txt"] + " It opened a second office in Porto in 2021.")
+    try:
+        assert main(["ingest", str(docs), "--out", str(index_dir), "--no-warm"]) == 0
+        printed = capsys.readouterr().out
+        assert "1 updated" in printed and "embedding model changed" not in printed, printed
+        assert Path(json.loads((index_dir / "manifest.json").read_text())["embed_model"]).name == "other-minilm"
+
+        assert main(["calibrate", "--index", str(index_dir), "--synthetic", SYNTHETIC, "--no-progress"]) == 0
+        assert check_calibration(str(index_dir)).status == "ok"
+        capsys.readouterr()
+        assert main(["ask", "--index", str(index_dir), "--json", "Who founded Harbor Analytics?"]) == 0
+        answer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert answer["question"] == "Who founded Harbor Analytics?" and "abstained" in answer, answer
+
+        # The documents change after the calibration: ingest and doctor say it was fitted on what is gone.
+        (docs / "harbor.txt").write_text(DOCUMENTS["harbor.txt"])
+        assert main(["ingest", str(docs), "--out", str(index_dir), "--no-warm"]) == 0
+        assert "calibration was fitted before 1 of its documents" in capsys.readouterr().out
+        stale = check_calibration(str(index_dir))
+        assert stale.status == "warn" and "fitted before 1 of the index's documents" in stale.detail, stale
+        assert main(["calibrate", "--index", str(index_dir), "--synthetic", SYNTHETIC, "--no-progress"]) == 0
+        assert check_calibration(str(index_dir)).status == "ok"
+
+        # Another model given on an update embeds every document again with it, never mixing two models' vectors.
+        assert (
+            main(["ingest", str(docs), "--out", str(index_dir), "--embed-model", "all-MiniLM-L6-v2", "--no-warm"]) == 0
+        )
+        printed = capsys.readouterr().out
+        assert "embedding model changed" in printed and f"{len(DOCUMENTS)} updated" in printed, printed
+    finally:
+        (docs / "harbor.txt").write_text(DOCUMENTS["harbor.txt"])

@@ -236,14 +236,24 @@ def check_calibration(index_dir: Optional[str] = None) -> Check:
             else f"point {CALIBRATION_ENV} at a file llama-crag calibrate wrote, or unset it",
         )
     t = data["thresholds"]
-    return Check(
-        "calibration",
-        OK,
+    described = (
         f"{path} ({where}): fitted for scorer {data.get('scorer')} with the embedding model "
         f"{data.get('embed_model') or 'none'} on {data.get('dataset', '?')}; upper={t['upper']:.4f} "
-        f"lower={t['lower']:.4f}",
-        time.perf_counter() - start,
+        f"lower={t['lower']:.4f}"
     )
+    if index_dir and where.startswith("stored"):
+        from llama_index_crag.stores.folder import calibration_drift
+
+        drift = calibration_drift(manifest)
+        if drift:
+            return Check(
+                "calibration",
+                WARN,
+                f"{described}; fitted before {drift} of the index's documents were added, changed or removed",
+                time.perf_counter() - start,
+                f"llama-crag calibrate --index {index_dir} --synthetic 300",
+            )
+    return Check("calibration", OK, described, time.perf_counter() - start)
 
 
 def run_checks(

@@ -39,6 +39,13 @@ def add_parsers(commands: Any) -> None:
         default=None,
         help="with --store, a new store's HNSW indexes over full vectors or halfvec casts (half the index memory)",
     )
+    ingest.add_argument(
+        "--embed-model",
+        metavar="NAME_OR_PATH",
+        default=None,
+        help="embed with this sentence-transformers model (a folder, or a name in this machine's Hugging Face "
+        "cache; default the bundled all-MiniLM-L6-v2); serve, ask and calibrate --index read it from the index",
+    )
     ingest.add_argument("--calibration", default=None, help="a calibration file to serve with (llama-crag calibrate)")
     ingest.add_argument("--grader", default=None, help="a grader directory to serve with (llama-crag train-grader)")
     ingest.add_argument("--no-warm", dest="warm", action="store_false", help="do not embed the sentence windows now")
@@ -124,6 +131,10 @@ def _ingest(args: argparse.Namespace) -> int:
         raise ConfigError("ingest needs either --out INDEX_DIR or --store postgresql://...")
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     metadata = pairs_metadata(args.metadata)
+    if args.store and args.embed_model:
+        raise ConfigError(
+            "--embed-model is for an index folder (--out); a PostgreSQL store embeds with the bundled model"
+        )
     if args.store and metadata:
         raise ConfigError(
             "--metadata is for an index folder (--out); with --store, give the metadata in front matter or sidecars"
@@ -139,9 +150,15 @@ def _ingest(args: argparse.Namespace) -> int:
             print(f"  skipped {skipped}")
         print(f"Serve it: llama-crag serve --store URL --table {args.table}")
         return 0
+    embed_model = None
+    if args.embed_model:
+        from llama_index_crag.local.models import load_embed_model
+
+        embed_model = load_embed_model(args.embed_model)
     report = ingest(
         args.docs,
         args.out,
+        embed_model=embed_model,
         calibration=args.calibration,
         grader=args.grader,
         warm_fallback=args.warm,

@@ -390,6 +390,9 @@ def ingest(
         )
     index_dir.mkdir(parents=True, exist_ok=True)
     fresh = not (index_dir / MANIFEST).exists() and not (index_dir / EMBEDDINGS).exists()
+    recorded = _manifest(index_dir)["embed_model"] if (index_dir / MANIFEST).exists() else None
+    if embed_model is None and recorded and Path(recorded).name != _default_embed_model_name():
+        embed_model = _recorded_embed_model(index_dir, recorded)  # an update embeds as the index was embedded
     counted = _Counted(embed_model or _default_embed_model())
     embedder = _embedder(index_dir, counted)
     report = IngestReport(
@@ -430,6 +433,13 @@ def ingest(
             before = old.get("chunker") or "chunks not cut to the embedding window"
             notes.append(f"the chunker changed since the last ingest ({before} -> {cut}): every document is cut again")
             changed = list(documents)
+        if old.get("documents") and Path(old["embed_model"]).name != Path(embedder.model_name).name:
+            # Vectors of two models are not comparable: every document is embedded again with the new one.
+            notes.append(
+                f"the embedding model changed since the last ingest ({old['embed_model']} -> {embedder.model_name}): "
+                "every document is embedded again"
+            )
+            changed = list(documents)
         for document in changed:
             if index.docstore.get_document_hash(document.id_) is not None:
                 index.delete_ref_doc(document.id_, delete_from_docstore=True)
@@ -458,8 +468,10 @@ def ingest(
 
     stats = EvidenceScorer(embedder).fit_corpus(n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes)
     _write_json(index_dir / CORPUS_STATS, stats.corpus_stats())
+    fitted_on = old.get("calibrated_documents")
     if calibration:
         shutil.copyfile(calibration, index_dir / CALIBRATION)
+        fitted_on = None  # a file fitted elsewhere, not on this index's documents
     if warm_fallback:
         from llama_index_crag.stores.memory import SentenceWindowRetriever, sentence_windows
 
@@ -482,6 +494,15 @@ def ingest(
         "grader": str(Path(grader).resolve()) if grader else old.get("grader"),
         "last_ingest": {k: v for k, v in asdict(report).items() if k != "index_dir"},
     }
+    if fitted_on is not None and manifest["calibration"]:
+        manifest["calibrated_documents"] = fitted_on
+        drift = calibration_drift(manifest)
+        if drift:
+            report.notes.append(
+                f"the index's calibration was fitted before {drift} of its documents were added, changed or "
+                f"removed: fit it again (llama-crag calibrate --index {index_dir} --synthetic 300)"
+            )
+            manifest["last_ingest"]["notes"] = list(report.notes)
     _write_json(index_dir / MANIFEST, manifest)
     return report
 
@@ -516,6 +537,23 @@ def _add_nodes(index: VectorStoreIndex, nodes: Sequence[BaseNode], embedder: Bas
 def _distinct(nodes: Sequence[BaseNode]) -> int:
     """How many texts embedding ``nodes`` costs: the cache embeds a text that recurs once."""
     return len({n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes})
+
+
+def _default_embed_model_name() -> str:
+    from llama_index_crag.local.bundled import bundled_embedding_path
+
+    return Path(bundled_embedding_path()).name
+
+
+def _recorded_embed_model(index_dir: Path, name: str) -> BaseEmbedding:
+    """The embedding model an index folder records (``ingest --embed-model``), from this machine's disk."""
+    from llama_index_crag.errors import ConfigError
+    from llama_index_crag.local.models import load_embed_model
+
+    try:
+        return load_embed_model(name)
+    except ConfigError as exc:
+        raise IndexFolderError(f"{index_dir} was embedded with {name}, which cannot be loaded here: {exc}") from exc
 
 
 def _default_embed_model() -> BaseEmbedding:
@@ -626,13 +664,27 @@ def record_calibration(index_dir: Path | str) -> None:
     that ``load_engine`` grades with it."""
     manifest = _manifest(Path(index_dir))
     manifest["calibration"] = CALIBRATION
+    manifest["calibrated_documents"] = dict(manifest.get("documents", {}))  # what it was fitted on
     _write_json(Path(index_dir) / MANIFEST, manifest)
 
 
+def calibration_drift(manifest: Mapping[str, Any]) -> Optional[int]:
+    """How many documents were added, changed or removed since the index's stored calibration was fitted on it
+    (``calibrate --index``); None when no calibration was fitted on the index."""
+    fitted = manifest.get("calibrated_documents")
+    if not manifest.get("calibration") or fitted is None:
+        return None
+    now = manifest.get("documents", {})
+    return sum(1 for key in set(fitted) | set(now) if fitted.get(key) != now.get(key))
+
+
 def load_index(index_dir: Path | str, embed_model: Optional[BaseEmbedding] = None) -> LoadedIndex:
-    """Load an index folder written by ``ingest``."""
+    """Load an index folder written by ``ingest``, with the embedding model it was embedded with (its manifest
+    names it; ``embed_model`` gives it already loaded)."""
     index_dir = Path(index_dir)
     manifest = _manifest(index_dir)
+    if embed_model is None and Path(manifest["embed_model"]).name != _default_embed_model_name():
+        embed_model = _recorded_embed_model(index_dir, manifest["embed_model"])
     embedder = _embedder(index_dir, embed_model, read_only=True)
     if Path(manifest["embed_model"]).name != Path(embedder.model_name).name:
         raise IndexFolderError(
