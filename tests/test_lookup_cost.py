@@ -149,3 +149,33 @@ def test_a_correction_embeds_only_the_windows_it_widened_at_query_time(
         assert graded_again == [], "chunks and strips embedded with the index were embedded again"
     else:
         assert graded_again, "without the index's vectors, grading embeds the strips and the fallback's chunks"
+
+
+@pytest.mark.parametrize("widen", ["chunk", "window"])
+def test_the_default_engine_corrects_an_incorrect_query_with_no_passage_embedded_again(
+    nodes: List[BaseNode], counting: CountingEmbedding, widen: str
+) -> None:
+    """The engine as from_defaults builds it (no warm-up): the fallback's BM25 chunks and the chunks its sentence
+    search found are graded with the vectors the index stored; only the strips the answer quotes are embedded.
+    Widened to windows instead, the windows are embedded when they are graded."""
+    index = VectorStoreIndex(nodes, embed_model=counting)
+    chunks = {n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes}
+    strips = {s.graded_text for n in nodes for s in decompose(n.get_content(), 8, str(n.metadata.get("title") or ""))}
+    built = CorrectiveQueryEngine.from_defaults(
+        index=index, llm=None, embed_model=counting, fallback_widen=widen, **INCORRECT
+    )
+    built.query(QUESTIONS[0])  # the first query builds the sentence index (every sentence embedded once)
+    embedded: List[str] = []
+    for question in QUESTIONS[1:]:
+        counting.texts.clear()
+        trace = built.query(question).metadata["crag"]
+        assert trace["action"] == "incorrect" and "sentence_window" in trace["fallback_sources"], trace
+        embedded += counting.texts
+    assert not [t for t in embedded if t in chunks], "a chunk the index embedded was embedded again"
+    passages = [t for t in embedded if t not in strips]
+    if widen == "chunk":
+        assert passages == [], passages
+    else:
+        assert passages, "a widened window is a new text: it is embedded when it is graded"
+    with pytest.raises(ValueError, match="widen_to='sentence'"):
+        FallbackRetriever.from_nodes(nodes, embed_model=counting, widen_to="sentence")

@@ -242,6 +242,7 @@ def fallback_parts(
                 similarity_top_k=resolved.similarity_top_k,
                 embed_model=embed_model,
                 callback_manager=callback_manager,
+                widen_to=resolved.fallback_widen,
             )
         else:
             fallback = FallbackRetriever(

@@ -65,13 +65,15 @@ class FallbackRetriever(BaseRetriever):
         window_size: int = 3,
         mode: Mode = "chain",
         callback_manager: Optional[CallbackManager] = None,
+        widen_to: str = "chunk",
     ) -> FallbackRetriever:
         """Build the standard sources over the same nodes as the primary index.
 
         ``"bm25"`` is a BM25 index over the nodes (catches exact terms, codes and names
         that dense retrieval misses); ``"sentence_window"`` is a sentence-level vector
-        index whose hits are widened to ``window_size`` sentences each side (built on
-        first use, since it embeds every sentence).
+        index whose hits are widened to the node that holds them (``widen_to="chunk"``: small to
+        big, each node once) or to ``window_size`` sentences each side (``"window"``); it is built on
+        first use, since it embeds every sentence.
         """
         nodes = [n for n in nodes if n.get_content().strip()]
         if not nodes:
@@ -87,7 +89,9 @@ class FallbackRetriever(BaseRetriever):
             elif source == "sentence_window":
                 from llama_index_crag.stores.memory import SentenceWindowRetriever
 
-                built[source] = SentenceWindowRetriever(nodes, embed_model, window_size, similarity_top_k)
+                built[source] = SentenceWindowRetriever(
+                    nodes, embed_model, window_size, similarity_top_k, widen_to=widen_to
+                )
             else:
                 raise ValueError(
                     f"unknown fallback source {source!r}: use 'bm25' or 'sentence_window' "

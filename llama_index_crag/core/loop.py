@@ -357,6 +357,8 @@ class Loop:
             finally:
                 trace.web.extend(report.to_dict() for report in reports)
         trace.fallback_sources = sorted({h.node.metadata.get(SOURCE_KEY, "fallback") for h in hits})
+        # A chunk the fallback found again (BM25's) has its vector in the primary index: grading reads it there.
+        reuse_retrieval_embeddings(self.grader.scorer, self.retriever, question, hits)
         grading = yield from step(trace, "regrade", self._regrade(question, hits, deadline), candidates=len(hits))
         record(trace, hits, grading)
         trace.retry_score = grading.aggregate

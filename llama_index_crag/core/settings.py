@@ -56,6 +56,11 @@ class CragSettings(OwnSources):
     )
     similarity_top_k: int = Field(default=5, ge=1, description="Candidates retrieved (and fallback results kept).")
     max_rewrites: int = Field(default=1, ge=0, description="Query rewrites allowed on the INCORRECT branch.")
+    fallback_widen: Literal["chunk", "window"] = Field(
+        default="chunk",
+        description="What a sentence the fallback's sentence search finds is widened to: the chunk that holds it "
+        "(graded with the vector the index stored) or the sentences around it (embedded when graded).",
+    )
     strip_threshold: Optional[float] = Field(
         default=None,
         ge=0.0,

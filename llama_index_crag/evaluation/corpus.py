@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
 
 from llama_index_crag.core.fallback import FallbackRetriever
+from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.datasets import load_documents
 from llama_index_crag.evaluation.dataset import EvalQuestion
 from llama_index_crag.local.embedding_cache import corpus_cache
@@ -113,7 +115,11 @@ class EvalCorpus:
         per_doc = Counter(n.metadata.get("doc_id") for n in nodes)
         margin = max((sum(per_doc[d] for d in q.question.relevant_doc_ids) for q in questions), default=0)
         # Sentence windows of one hidden document can fill a fallback result: ask it for more.
-        fallback = FallbackRetriever.from_nodes(nodes, similarity_top_k=2 * (top_k + margin), embed_model=cached)
+        # The fallback widens as the engine's would (CRAG_FALLBACK_WIDEN, else the setting's default).
+        widen = os.environ.get("CRAG_FALLBACK_WIDEN") or str(CragSettings.model_fields["fallback_widen"].default)
+        fallback = FallbackRetriever.from_nodes(
+            nodes, similarity_top_k=2 * (top_k + margin), embed_model=cached, widen_to=widen
+        )
         fallback.retrieve(QueryBundle("warm-up"))  # builds BM25 and embeds the sentence windows now, not in a query
         return cls(nodes=nodes, index=index, fallback=fallback, view=CorpusView(), margin=margin)
 

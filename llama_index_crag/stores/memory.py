@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -93,12 +93,16 @@ class MatrixRetriever(BaseRetriever):
 
 
 class SentenceWindowRetriever(BaseRetriever):
-    """Sentence-level dense retrieval, each hit widened to its surrounding window.
+    """Sentence-level dense retrieval, each hit widened to the chunk that holds it, or to its surrounding window.
 
-    Small passages embed more precisely than whole chunks, so a fact buried in a long
-    chunk can be found; the window gives the generator enough context to use it. Each
-    window carries its chunk's metadata, so ``scoped`` narrows the search to a scope's
-    windows; scoped copies share the one matrix, built on first use.
+    Small passages embed more precisely than whole chunks, so a fact buried in a chunk
+    can be found. ``widen_to="chunk"`` (small to big) returns the chunk that holds each
+    sentence found, each chunk once at its best sentence's rank: the chunk is what the
+    index embedded, so grading it reads the stored vector and embeds nothing at query
+    time. ``"window"`` returns ``window_size`` sentences either side of the sentence (a
+    text no one embedded before, embedded when it is graded). Each sentence carries its
+    chunk's metadata, so ``scoped`` narrows the search to a scope's sentences; scoped
+    copies share the one matrix, built on first use.
 
     ``warm`` builds the index ahead of the first query and, with ``grading_vectors``, also
     embeds in one batch what a bi-encoder of the same model grades: each chunk as the
@@ -119,8 +123,13 @@ class SentenceWindowRetriever(BaseRetriever):
         similarity_top_k: int = 5,
         grading_vectors: bool = True,
         strip_min_tokens: int = 8,
+        widen_to: str = "chunk",
     ) -> None:
+        if widen_to not in ("chunk", "window"):
+            raise ValueError(f"widen_to={widen_to!r}: a sentence hit is widened to its 'chunk' or its 'window'")
         self._nodes = list(nodes)
+        self._chunks = {n.node_id: n for n in self._nodes}
+        self._widen_to = widen_to
         self._embed_model = embed_model
         self._window_size = window_size
         self._top_k = similarity_top_k
@@ -170,7 +179,17 @@ class SentenceWindowRetriever(BaseRetriever):
         return self._masks.get(self.scope, lambda: inner.scoped(self.scope))  # type: ignore[no-any-return]
 
     def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
-        return _widen(self._inner().retrieve(query_bundle))
+        hits = self._inner().retrieve(query_bundle)
+        if self._widen_to == "window":
+            return _widen(hits)
+        # Small to big: the chunk that holds the sentence, as the index holds it (its vector is stored there),
+        # each chunk once, at its best sentence's rank.
+        chunks: Dict[str, NodeWithScore] = {}
+        for hit in hits:
+            chunk = self._chunks.get(hit.node.ref_doc_id or "")
+            if chunk is not None and chunk.node_id not in chunks:
+                chunks[chunk.node_id] = NodeWithScore(node=chunk, score=hit.score)
+        return list(chunks.values())[: self._top_k]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
         return await asyncio.to_thread(self._retrieve, query_bundle)
