@@ -254,7 +254,12 @@ def test_refiner_with_the_real_scorer_keeps_the_answering_sentence() -> None:
 
 def test_fallback_chain_tags_sources_and_first_mode_stops_early(embed_model: Any) -> None:
     chained = FallbackRetriever.from_nodes(
-        CORPUS, sources=("bm25", "sentence_window"), similarity_top_k=4, embed_model=embed_model, window_size=1
+        CORPUS,
+        sources=("bm25", "sentence_window"),
+        similarity_top_k=4,
+        embed_model=embed_model,
+        window_size=1,
+        widen_to="window",
     )
     hits = chained.retrieve("Porto office opening year")
     sources = {h.node.metadata["crag_source"] for h in hits}
@@ -262,6 +267,12 @@ def test_fallback_chain_tags_sources_and_first_mode_stops_early(embed_model: Any
     assert all("crag_source" in h.node.excluded_llm_metadata_keys for h in hits)
     window = next(h for h in hits if h.node.metadata["crag_source"] == "sentence_window")
     assert "Porto" in window.node.get_content()
+    # Widened to chunks (the default), the sentence search hands back the corpus's own nodes, each once, best first.
+    chunks = FallbackRetriever.from_nodes(
+        CORPUS, sources=("sentence_window",), similarity_top_k=4, embed_model=embed_model
+    )
+    found = [h.node.node_id for h in chunks.retrieve("Porto office opening year")]
+    assert found[0] == "gamma" and len(found) == len(set(found)) and set(found) <= {n.node_id for n in CORPUS}
     first = FallbackRetriever.from_nodes(CORPUS, sources=("bm25", "sentence_window"), mode="first")
     assert {h.node.metadata["crag_source"] for h in first.retrieve("Porto office")} == {"bm25"}
 
