@@ -6,15 +6,18 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 from llama_index.core import VectorStoreIndex
+from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import PrivateAttr
-from llama_index.core.schema import BaseNode, MetadataMode, QueryBundle
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
+from llama_index.retrievers.bm25 import BM25Retriever
 
 from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever
 from llama_index_crag.datasets import load_documents
 from llama_index_crag.scorers import EvidenceScorer
 from llama_index_crag.scorers.base import node_text
 from llama_index_crag.stores.chunking import chunk
+from llama_index_crag.stores.memory import SentenceWindowRetriever
 from llama_index_crag.text.strips import decompose
 from tests.conftest import ScriptedLLM
 
@@ -30,20 +33,27 @@ INCORRECT = {"upper": 0.999, "lower": 0.998}
 
 
 class CountingEmbedding(BaseEmbedding):
-    """The bundled model, recording every passage it is asked to embed."""
+    """The bundled model (under another name when ``name`` is given), recording every passage and every query it
+    is asked to embed."""
 
     _inner: BaseEmbedding = PrivateAttr()
     _texts: List[str] = PrivateAttr(default_factory=list)
+    _queries: List[str] = PrivateAttr(default_factory=list)
 
-    def __init__(self, inner: BaseEmbedding) -> None:
-        super().__init__(model_name=inner.model_name, embed_batch_size=inner.embed_batch_size)
+    def __init__(self, inner: BaseEmbedding, name: str = "") -> None:
+        super().__init__(model_name=name or inner.model_name, embed_batch_size=inner.embed_batch_size)
         self._inner = inner
 
     @property
     def texts(self) -> List[str]:
         return self._texts
 
+    @property
+    def queries(self) -> List[str]:
+        return self._queries
+
     def _get_query_embedding(self, query: str) -> Embedding:
+        self._queries.append(query)
         return self._inner.get_query_embedding(query)
 
     async def _aget_query_embedding(self, query: str) -> Embedding:
@@ -179,3 +189,62 @@ def test_the_default_engine_corrects_an_incorrect_query_with_no_passage_embedded
         assert passages, "a widened window is a new text: it is embedded when it is graded"
     with pytest.raises(ValueError, match="widen_to='sentence'"):
         FallbackRetriever.from_nodes(nodes, embed_model=counting, widen_to="sentence")
+
+
+class Recording(BaseRetriever):
+    """A retriever passing each query to ``inner`` and keeping what it was asked: the words and the texts a dense
+    source would embed."""
+
+    def __init__(self, inner: BaseRetriever) -> None:
+        self._inner = inner
+        self.asked: List[Tuple[str, List[str]]] = []
+        super().__init__()
+
+    def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
+        self.asked.append((query_bundle.query_str, list(query_bundle.embedding_strs)))
+        return self._inner.retrieve(query_bundle)
+
+
+def test_an_incorrect_correction_embeds_the_question_once_and_searches_words_with_the_rewrite(
+    nodes: List[BaseNode], embed_model: Any
+) -> None:
+    """The primary search embeds the question; the fallback's sentence search reads that vector (one model) and
+    BM25 searches the rewrite: a correction calls the model for no query of its own."""
+    counting = CountingEmbedding(embed_model)
+    index = VectorStoreIndex(nodes, embed_model=counting)
+    built = CorrectiveQueryEngine.from_defaults(index=index, llm=None, embed_model=counting, **INCORRECT)
+    built.query(QUESTIONS[0])  # builds the sentence index
+    for question in QUESTIONS[1:]:
+        counting.queries.clear()
+        trace = built.query(question).metadata["crag"]
+        assert trace["action"] == "incorrect" and trace["rewrite_source"] == "keyword", trace
+        assert trace["rewritten_query"] != question and "sentence_window" in trace["fallback_sources"], trace
+        assert counting.queries == [question]
+
+
+def test_a_dense_source_of_another_model_embeds_the_question_with_its_own_model(
+    nodes: List[BaseNode], embed_model: Any
+) -> None:
+    counting, other = CountingEmbedding(embed_model), CountingEmbedding(embed_model, name="another-model")
+    words = Recording(BM25Retriever.from_defaults(nodes=list(nodes), similarity_top_k=4))
+    fallback = FallbackRetriever({"bm25": words, "sentence_window": SentenceWindowRetriever(nodes, other)})
+    built = CorrectiveQueryEngine.from_defaults(
+        index=VectorStoreIndex(nodes, embed_model=counting), llm=None, fallback=fallback, **INCORRECT
+    )
+    for question in QUESTIONS:
+        other.queries.clear()
+        trace = built.query(question).metadata["crag"]
+        assert words.asked[-1] == (trace["rewritten_query"], [question]), trace
+        # Not the primary's vector (another model's space), and not the rewrite: the question, by its own model.
+        assert other.queries == [question]
+
+
+def test_a_fallback_back_through_the_primary_searches_with_the_rewrite(nodes: List[BaseNode], embed_model: Any) -> None:
+    index = VectorStoreIndex(nodes, embed_model=embed_model)
+    primary = Recording(index.as_retriever(similarity_top_k=4))
+    built = CorrectiveQueryEngine.from_defaults(
+        retriever=primary, llm=None, fallback=FallbackRetriever({"primary": primary}), **INCORRECT
+    )
+    trace = built.query(QUESTIONS[1]).metadata["crag"]
+    rewrite = trace["rewritten_query"]
+    assert rewrite != QUESTIONS[1] and primary.asked == [(QUESTIONS[1], [QUESTIONS[1]]), (rewrite, [rewrite])]

@@ -240,7 +240,9 @@ def fallback_parts(
                 over,
                 sources=sources,
                 similarity_top_k=resolved.similarity_top_k,
-                embed_model=embed_model,
+                # The sentences are embedded as the primary index embedded its chunks (and searched with its
+                # query vector: ``fallback_query``).
+                embed_model=embed_model or _embed_model_of(primary),
                 callback_manager=callback_manager,
                 widen_to=resolved.fallback_widen,
             )
@@ -252,6 +254,11 @@ def fallback_parts(
     if given_fallback or broaden:
         fallback = scoped_retriever(fallback, scope)  # a given fallback is narrowed too, or the build stops
     return fallback, broadening
+
+
+def _embed_model_of(retriever: BaseRetriever) -> Optional[BaseEmbedding]:
+    model = getattr(retriever, "_embed_model", None)
+    return model if isinstance(model, BaseEmbedding) else None
 
 
 def grading_parts(

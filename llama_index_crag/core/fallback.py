@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from typing import TYPE_CHECKING, Dict, List, Literal, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Mapping, Optional, Sequence
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -178,6 +178,57 @@ class FallbackRetriever(BaseRetriever):
                         seen.add(key)
                         merged.append(batch[rank])
         return merged[: self.similarity_top_k]
+
+
+def fallback_query(question: QueryBundle, search: str, primary: Any, fallback: Any) -> QueryBundle:
+    """What the fallback searches with: ``search`` (the rewrite) for its sparse sources, the question for its dense.
+
+    BM25, full-text search and the web match words, and the rewrite is made for them (abbreviations
+    expanded, names added, or the question's keywords). A dense source embeds the question itself
+    (``custom_embedding_strs``): an embedding model is trained on questions, and a keyword rewrite embeds
+    worse than the question it came from. The question's vector is already on ``question`` when the primary
+    retriever embedded it; it is handed on when every dense source of the fallback embeds with a model of
+    the primary's name, so an INCORRECT correction embeds no query a second time. A fallback that searches
+    back through the primary retriever (its ``"primary"`` source: there are no nodes to build other sources
+    over) searches everything with the rewrite, which is then all that makes its search another one.
+    """
+    if isinstance(fallback, FallbackRetriever) and "primary" in fallback.retrievers:
+        return QueryBundle(search)
+    bundle = QueryBundle(query_str=search, custom_embedding_strs=list(question.embedding_strs))
+    primary_model = getattr(primary, "_embed_model", None)
+    models = query_models(fallback)
+    if (
+        question.embedding is not None
+        and isinstance(primary_model, BaseEmbedding)
+        and models is not None
+        and all(m.model_name == primary_model.model_name for m in models)
+    ):
+        bundle.embedding = list(question.embedding)
+    return bundle
+
+
+def query_models(retriever: Any) -> Optional[List[BaseEmbedding]]:
+    """The embedding models ``retriever`` embeds a query with (none for BM25, full-text search or the web), or
+    None when that cannot be told (a retriever of another kind, or a dense one that has no model yet)."""
+    from llama_index.retrievers.bm25 import BM25Retriever
+
+    if isinstance(retriever, FallbackRetriever):
+        found: List[BaseEmbedding] = []
+        for source in retriever.retrievers.values():
+            models = query_models(source)
+            if models is None:
+                return None
+            found.extend(models)
+        return found
+    model = getattr(retriever, "_embed_model", None)
+    if isinstance(model, BaseEmbedding):
+        return [model]
+    inner = getattr(retriever, "_inner", None)
+    if isinstance(inner, BaseRetriever):  # a view or wrapper over another retriever
+        return query_models(inner)
+    if isinstance(retriever, BM25Retriever) or getattr(retriever, "embeds_queries", None) is False:
+        return []
+    return None
 
 
 def _outside_scope(retriever: BaseRetriever) -> bool:

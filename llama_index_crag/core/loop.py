@@ -48,7 +48,7 @@ from llama_index_crag.answers.policy import outcome_of
 from llama_index_crag.answers.sources import shown
 from llama_index_crag.core.compound import combined
 from llama_index_crag.core.driver import Io, Steps, bind, check_when_streamed, left, text_response
-from llama_index_crag.core.fallback import OUTSIDE_SCOPE_KEY, SOURCE_KEY, FallbackRetriever
+from llama_index_crag.core.fallback import OUTSIDE_SCOPE_KEY, SOURCE_KEY, FallbackRetriever, fallback_query
 from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
 from llama_index_crag.core.prompts import quote_sources
 from llama_index_crag.core.refiner import StripRefiner
@@ -244,7 +244,7 @@ class Loop:
         if s.hybrid and self.fallback is not None:
             deadline = time.monotonic() + s.correction_timeout_s
             try:
-                search = query_bundle
+                search = query_bundle.query_str
                 if _searches_web(self.fallback) and self.rewriter is not None and s.max_rewrites > 0:
                     rewriter = self.rewriter
                     rewritten = yield from step(
@@ -253,7 +253,7 @@ class Loop:
                         io(rewriter.rewrite, rewriter.arewrite, query_bundle.query_str, limit=left(deadline)),
                     )
                     trace.rewrite_source = "llm"
-                    trace.rewrites, trace.rewritten_query, search = 1, rewritten, QueryBundle(rewritten)
+                    trace.rewrites, trace.rewritten_query, search = 1, rewritten, str(rewritten)
                 context += yield from self.search_fallback(query_bundle, search, deadline, trace)
             except Exception as exc:
                 trace.fallback_error = f"{type(exc).__name__}: {exc}"
@@ -284,7 +284,7 @@ class Loop:
                 tried.add(search.casefold())
                 trace.rewrites, trace.rewritten_query = attempt + 1, search
             try:
-                hits = yield from self.search_fallback(query_bundle, QueryBundle(search), deadline, trace)
+                hits = yield from self.search_fallback(query_bundle, search, deadline, trace)
             except CorrectiveTimeout:
                 trace.abstain(f"the fallback retrieval ran past the {s.correction_timeout_s:g} s correction budget")
                 return []
@@ -298,7 +298,7 @@ class Loop:
         if broadening is not None:
             try:
                 hits = yield from self.search_fallback(
-                    query_bundle, QueryBundle(search), deadline, trace, broadening.fallback, broadening.floor
+                    query_bundle, search, deadline, trace, broadening.fallback, broadening.floor
                 )
             except CorrectiveTimeout:
                 hits = []
@@ -341,19 +341,21 @@ class Loop:
     def search_fallback(
         self,
         question: QueryBundle,
-        search: QueryBundle,
+        search: str,
         deadline: float,
         trace: CragTrace,
         fallback: Optional[BaseRetriever] = None,
         scope: Optional[Scope] = None,
     ) -> Steps[List[NodeWithScore]]:
-        """Retrieve ``search`` through the fallback (or ``fallback``, inside ``scope``: the broadening's) and keep
-        what grades relevant to ``question``."""
+        """Retrieve through the fallback (or ``fallback``, inside ``scope``: the broadening's), ``search`` for its
+        word sources and the question's own vector for its dense ones (``fallback_query``), and keep what grades
+        relevant to ``question``."""
         fallback = fallback or self.fallback
         assert fallback is not None
+        query = fallback_query(question, search, self.retriever, fallback)
         with collect_web_reports() as reports:
             try:
-                hits = yield from step(trace, "fallback", self._fallback_hits(fallback, search, deadline, scope))
+                hits = yield from step(trace, "fallback", self._fallback_hits(fallback, query, deadline, scope))
             finally:
                 trace.web.extend(report.to_dict() for report in reports)
         trace.fallback_sources = sorted({h.node.metadata.get(SOURCE_KEY, "fallback") for h in hits})

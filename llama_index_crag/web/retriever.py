@@ -88,6 +88,8 @@ class WebSearchRetriever(BaseRetriever):
         strip_min_tokens: Shortest strip, in words (as the refiner).
     """
 
+    embeds_queries = False  #: the provider is sent the rewrite's words, never a vector
+
     def __init__(
         self,
         settings: Optional[WebSearchSettings] = None,

@@ -184,6 +184,8 @@ class PostgresFullTextRetriever(_StoreRetriever):
     Hits carry their stored embeddings.
     """
 
+    embeds_queries = False  #: it matches words: ``fallback_query`` hands it the rewrite, no vector
+
     def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
         store = self._store
         with store.connection() as conn:
