@@ -29,6 +29,7 @@ import numpy as np
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.answer_type import asked_kinds, asks, holds_kind
 from llama_index_crag.scorers.evidence import WORD_FEATURES, EvidenceScorer
+from llama_index_crag.text.patterns import CODE_SUFFIX, FIGURES_AND_CODES, NAME, NOT_NAMES, NUMBER_RANGE, UNIT_GAP
 from llama_index_crag.text.strips import refers_back
 
 #: The features, in the order the network reads them.
@@ -54,21 +55,6 @@ PACKAGED_DIR = Path(__file__).resolve().parent.parent / "data" / "answer_model"
 WEIGHTS_FILE = "answer_model.npz"
 META_FILE = "answer_model.json"
 
-#: Figures and codes a question names: years, quarters, versions, regions ("2023", "Q2", "7.2.1", "EU-2").
-_CODES = re.compile(r"[\w-]*\d(?:[\w-]|\.\d)*")
-#: A range of plain numbers ("76-85"): each end must be stated, as written or as a decimal ("76.3% to 85.4%").
-_NUMBER_RANGE = re.compile(r"\d+(?:\.\d+)?-\d+(?:\.\d+)?")
-#: The space a text may put between a number and its unit ("40 mg" for "40mg").
-_UNIT_GAP = re.compile(r"(?<=\d)\s+(?=[^\W\d_])")
-#: A word that describes a code rather than belongs to it ("SF1-expressing neurons", "UCP1-dependent", "M2-like").
-_CODE_SUFFIX = re.compile(
-    r"-(?:(?:in)?dependent|expressing|like|induced|mediated|deficient|positive|negative|specific|related|associated"
-    r"|containing|derived|type)$"
-)
-#: A capitalised word with a lower-case letter ("Singapore", "McKinsey"): a name the question asks about.
-_NAME = re.compile(r"(?<![\w-])[A-Z][\w'-]*[a-z][\w'-]*")
-_NOT_NAMES = frozenset("i what who when where which how why whose whom the a an in on of and is was does did".split())
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -86,8 +72,8 @@ def asked_names(question: str) -> List[str]:
     An owner ("Scotland's voting population") is the frame of the question, often the whole document's subject,
     and a passage may write it another way ("Scottish") or leave it unsaid."""
     rest = question.strip().split(None, 1)[1:]
-    found = (n.casefold() for n in _NAME.findall(rest[0] if rest else "") if not re.search(r"['’]s?$", n))
-    return list(dict.fromkeys(n for n in found if n not in _NOT_NAMES))
+    found = (n.casefold() for n in NAME.findall(rest[0] if rest else "") if not re.search(r"['’]s?$", n))
+    return list(dict.fromkeys(n for n in found if n not in NOT_NAMES))
 
 
 def states_codes(question: str, text: str) -> bool:
@@ -96,9 +82,9 @@ def states_codes(question: str, text: str) -> bool:
     A number may stand apart from its unit ("40 mg" states "40mg"), a code may be written with or without its
     hyphens ("SHP-2" and "SHP2") and without a word that only describes it ("SF1" states "SF1-expressing"), and a
     range of numbers is stated when both of its ends are ("76-85%" by "76.3% to 85.4%")."""
-    lowered = _UNIT_GAP.sub("", text.casefold())
-    for code in _CODES.findall(question.casefold()):
-        if _NUMBER_RANGE.fullmatch(code):
+    lowered = UNIT_GAP.sub("", text.casefold())
+    for code in FIGURES_AND_CODES.findall(question.casefold()):
+        if NUMBER_RANGE.fullmatch(code):
             if not all(end in lowered for end in code.split("-")):
                 return False
         elif not _states_code(code, lowered):
@@ -111,7 +97,7 @@ def _states_code(code: str, text: str) -> bool:
     and without a describing suffix ("gata-3" states "gata3"; "ap-1" does not state "p1")."""
     if code in text:
         return True
-    core = _CODE_SUFFIX.sub("", code).replace("-", "")
+    core = CODE_SUFFIX.sub("", code).replace("-", "")
     return bool(core) and re.search(r"(?<![^\W_])" + "-?".join(map(re.escape, core)), text) is not None
 
 

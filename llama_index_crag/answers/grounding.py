@@ -8,28 +8,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from llama_index_crag.scorers.base import RelevanceScorer
+from llama_index_crag.text.patterns import CODE, NAME_JOINERS, NAME_WORD, NUMBER_WORDS, QUANTITY, QUOTED_OR_CODE
 from llama_index_crag.text.split import split_sentences, terms
 from llama_index_crag.text.strips import decompose
 
-_WORD_NUMBERS = {
-    w: str(i)
-    for i, w in enumerate(
-        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
-        "seventeen eighteen nineteen twenty".split()
-    )
-}
-_UNIT = r"(?:%|per ?cent\b|(?:second|minute|hour|day|week|month|year|thousand|million|billion|trillion)s?\b)"
-#: A number (digits or a number word) and the unit that follows it, if any: "14 days", "118%", "$61.4 million".
-_QUANTITY = re.compile(
-    rf"(?<![\w.-])(\d[\d,]*(?:\.\d+)?|{'|'.join(_WORD_NUMBERS)})(?![\w-]|\.\d)(?:[\s-]*({_UNIT}))?", re.IGNORECASE
-)
-#: Codes and versions, which must stand verbatim in a source: "Q3", "EU-2", "v4.3.1", "4.3.1", "harbor.js".
-_CODE = re.compile(r"(?<![\w.])(?:[A-Za-z]+[-_]?\d[\w.-]*|\d+(?:\.\d+){2,}|[a-z]\w*\.(?:js|py|json|yaml|yml|sh|io))\b")
-_NAME_WORD = re.compile(r"[A-Z][\w'’&.-]*")
-_QUOTED = re.compile(r"[\"“`]([^\"“”`]{2,80})[\"”`]")
 #: A label the generator put before its answer ("Answer:", "A:"): not part of what it claims.
 _LABEL = re.compile(r"^[A-Za-z]{1,12}:\s+")
-_NAME_JOINERS = frozenset({"of", "de", "da", "van", "von", "der", "del", "la", "le", "and", "&", "the", "al", "bin"})
 #: Words of answer boilerplate ("Based on the context, the answer is"): neither a claim nor support.
 _BOILERPLATE = frozenset(
     terms(
@@ -104,7 +88,7 @@ class _Evidence:
 
 def _value(raw: str) -> str:
     raw = raw.lower()
-    return _WORD_NUMBERS.get(raw, raw.replace(",", ""))
+    return NUMBER_WORDS.get(raw, raw.replace(",", ""))
 
 
 def _unit(raw: Optional[str]) -> str:
@@ -120,9 +104,9 @@ def _unit(raw: Optional[str]) -> str:
 def _quantities(text: str) -> List[Tuple[str, str, str]]:
     """(span, value, unit) of every number in ``text``; a bare number word (no unit) is not a figure."""
     found = []
-    for m in _QUANTITY.finditer(text):
+    for m in QUANTITY.finditer(text):
         number, unit = m.group(1), m.group(2)
-        if number.lower() in _WORD_NUMBERS and not unit:
+        if number.lower() in NUMBER_WORDS and not unit:
             continue
         found.append((m.group(0).strip(), _value(number), _unit(unit)))
     return found
@@ -133,7 +117,7 @@ def _evidence(texts: Sequence[str], strip_min_tokens: Optional[int]) -> _Evidenc
     text = "\n".join(texts)
     quantities = [(v, u) for _, v, u in _quantities(text)]
     values = {v for v, _ in quantities} | {
-        _value(w) for w in re.findall(r"[A-Za-z]+", text) if w.lower() in _WORD_NUMBERS
+        _value(w) for w in re.findall(r"[A-Za-z]+", text) if w.lower() in NUMBER_WORDS
     }
     strips: Tuple[str, ...] = ()
     if strip_min_tokens is not None:
@@ -155,13 +139,13 @@ def _names(sentence: str) -> List[str]:
     run: List[str] = []
     for i, m in enumerate(tokens):
         word = m.group(0).strip("\"“”'‘’()[],;:!?")
-        is_name = bool(_NAME_WORD.fullmatch(word.rstrip("."))) and any(c.isalpha() for c in word)
+        is_name = bool(NAME_WORD.fullmatch(word.rstrip("."))) and any(c.isalpha() for c in word)
         if is_name and i == 0:
             following = tokens[1].group(0) if len(tokens) > 1 else ""
             is_name = word.endswith(("'s", "’s")) or word.isupper() or following[:1].isupper()
         if is_name:
             run.append(word.rstrip("."))
-        elif run and word.lower() in _NAME_JOINERS and i + 1 < len(tokens) and tokens[i + 1].group(0)[:1].isupper():
+        elif run and word.lower() in NAME_JOINERS and i + 1 < len(tokens) and tokens[i + 1].group(0)[:1].isupper():
             run.append(word)
         else:
             if run:
@@ -177,7 +161,7 @@ def _names(sentence: str) -> List[str]:
 
 def _name_supported(name: str, evidence: _Evidence, asked: Set[str]) -> bool:
     words = [re.sub(r"['’]s$", "", w).casefold() for w in re.findall(r"[^\s]+", name)]
-    words = [w.strip(".&") for w in words if w.casefold() not in _NAME_JOINERS]
+    words = [w.strip(".&") for w in words if w.casefold() not in NAME_JOINERS]
     return all(
         w in evidence.words or w in asked or all(p in evidence.words for p in re.findall(r"[^\W_]+", w))
         for w in words
@@ -324,7 +308,7 @@ class GroundednessChecker:
             if not ok:
                 unsupported.append(span)
             spans.append(span)
-        for m in _CODE.finditer(sentence):
+        for m in CODE.finditer(sentence):
             code = m.group(0).rstrip(".")
             if any(code in s for s in spans):
                 continue
@@ -332,7 +316,7 @@ class GroundednessChecker:
             if code.casefold() not in found.text and code.casefold() not in asked_words:
                 unsupported.append(code)
             spans.append(code)
-        for quoted in _QUOTED.findall(sentence):
+        for quoted in QUOTED_OR_CODE.findall(sentence):
             claims += 1
             if quoted.casefold().strip() not in found.text:
                 unsupported.append(quoted)

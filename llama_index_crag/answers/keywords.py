@@ -7,11 +7,10 @@ from functools import lru_cache
 from typing import Any, List
 
 from llama_index_crag.text.cleaning import clean_text
+from llama_index_crag.text.patterns import CAPITALISED_RUN
 
 #: Words that carry a figure or a code: years, quarters, versions, model numbers ("2023", "Q3", "EU-2", "4.3.1").
 _CODED = re.compile(r"(?<!\S)\S*\d\S*", re.UNICODE)
-#: Runs of capitalised words not at the start of the question: names of people, products and places.
-_NAME = re.compile(r"(?<!^)(?<![.?!]\s)\b[A-Z][\w'’-]*(?:\s+[A-Z][\w'’-]*)*")
 
 
 @lru_cache(maxsize=8)
@@ -37,7 +36,7 @@ def keyword_query(question: str, language: str = "en") -> str:
         start = text.find(phrase)
         found.append((start if start >= 0 else len(text), phrase))
     found += [(m.start(), m.group(0)) for m in _CODED.finditer(text)]
-    found += [(m.start(), m.group(0)) for m in _NAME.finditer(text)]
+    found += [(m.start(), m.group(0)) for m in CAPITALISED_RUN.finditer(text)]
     words: List[str] = []
     seen = set()
     for _, phrase in sorted(found):

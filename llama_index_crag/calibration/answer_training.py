@@ -31,6 +31,7 @@ from llama_index_crag.answers.answer_model import (
 from llama_index_crag.calibration.labelled import is_held_out, read_rows
 from llama_index_crag.errors import DatasetError
 from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.text.patterns import NAME
 
 #: The kinds of pair whose passage is a sentence or a few facts (the pairs file's ``source:kind``); a pairs file
 #: without kinds is read whole.
@@ -52,7 +53,6 @@ MADE_KINDS = frozenset({"figure_swapped", "name_swapped"})
 _DIGITS = re.compile(r"[\w-]*\d[\w-]*")
 _DIGIT = re.compile(r"\d")
 #: A capitalised name ("Singapore", "McKinsey").
-_NAME = re.compile(r"(?<![\w-])[A-Z][\w'-]*[a-z][\w'-]*")
 
 
 def _sentence_rows(path: Path | str) -> List[Dict[str, Any]]:
@@ -75,7 +75,7 @@ def swapped(rows: Sequence[Dict[str, Any]], seed: int = 0) -> List[Dict[str, Any
     source's and group's place (``is_held_out``), so a held-out question's swaps are held out too.
     """
     rng = random.Random(seed)
-    names = sorted({n for r in rows for n in _NAME.findall(str(r["passage"]))})
+    names = sorted({n for r in rows for n in NAME.findall(str(r["passage"]))})
     made: List[Dict[str, Any]] = []
     for row in rows:
         if int(row["label"]) != 1:
@@ -83,7 +83,7 @@ def swapped(rows: Sequence[Dict[str, Any]], seed: int = 0) -> List[Dict[str, Any
         question, passage = str(row["question"]), str(row["passage"])
         codes = [c for c in _DIGITS.findall(question) if c in passage]
         wanted = set(asked_names(question))
-        asked = [n for n in _NAME.findall(question) if n.casefold() in wanted and n in passage]
+        asked = [n for n in NAME.findall(question) if n.casefold() in wanted and n in passage]
         if codes:
             code = rng.choice(codes)
             last = list(_DIGIT.finditer(code))[-1]

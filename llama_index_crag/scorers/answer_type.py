@@ -14,46 +14,36 @@ import re
 from functools import lru_cache
 from typing import Dict, FrozenSet, Optional, Tuple
 
-_NUM = (
-    r"(?:\d[\d,]*(?:\.\d+)?|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen"
-    r"|fifteen|sixteen|seventeen|eighteen|nineteen|(?:twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety)"
-    r"(?:[- ](?:one|two|three|four|five|six|seven|eight|nine))?|(?:a |one )?(?:hundred|thousand|million|billion)s?"
-    r"|a few|several|a dozen|dozens)"
+from llama_index_crag.text.patterns import (
+    CURRENCY,
+    DURATION_UNITS,
+    LENGTH_UNITS,
+    MONTHS,
+    NAME_PHRASE,
+    NUMBER,
+    QUOTED,
+    SCALE,
+    VALUE,
+    YEAR,
 )
-_MONTHS = (
-    "january|february|march|april|may|june|july|august|september|october|november|december"
-    "|jan|feb|mar|apr|jun|jul|aug|sep|sept|oct|nov|dec"
-)
-_LENGTH_UNITS = (
-    r"(?:kilo|centi|milli)?met(?:re|er)s?|km|cm|mm|m|miles?|mi|feet|foot|ft|inch(?:es)?|in\.|yards?|yd"
-    r"|nautical miles?|light[- ]years?|(?:square|sq\.?) (?:met(?:re|er)s?|miles?|feet|km)|acres?|hectares?"
-    r"|storeys|stories"
-)
-_DURATION_UNITS = (
-    r"(?:milli)?seconds?|secs?|minutes?|mins?|hours?|hrs?|days?|weeks?|months?|years?|decades?|centur(?:y|ies)"
-)
-_CURRENCY = r"[$€£¥₹]|\b(?:usd|eur|gbp|dollars?|euros?|pounds?|yen|francs?|marks?|rupees?)\b"
-_SCALE = r"(?:thousand|million|billion|trillion|[kmb]n?)\b"
 
 #: The kinds of answer, each with what a passage that holds one contains.
 PATTERNS: Dict[str, re.Pattern[str]] = {
-    "year": re.compile(r"\b(1[0-9]{3}|20[0-9]{2})s?\b"),
+    "year": re.compile(rf"\b({YEAR})s?\b"),
     "date": re.compile(
-        rf"\b(1[0-9]{{3}}|20[0-9]{{2}})s?\b|\b({_MONTHS})\b|\b\d{{1,2}}(st|nd|rd|th)? century\b"
+        rf"\b({YEAR})s?\b|\b({MONTHS})\b|\b\d{{1,2}}(st|nd|rd|th)? century\b"
         r"|\b\d{1,2}[/.-]\d{1,2}[/.-]\d{2,4}\b|\b(monday|tuesday|wednesday|thursday|friday|saturday|sunday)\b"
         # a time of day answers "when" too: "opens at six in the morning", "at 9:30", "by 5 pm", "at noon"
-        rf"|\b{_NUM} (?:o'clock|in the (?:morning|afternoon|evening))"
+        rf"|\b{NUMBER} (?:o'clock|in the (?:morning|afternoon|evening))"
         r"|\b\d{1,2}(?::\d{2})?\s*(?:am|pm|a\.m\.|p\.m\.)|\b\d{1,2}:\d{2}\b|\b(?:noon|midnight)\b",
         re.IGNORECASE,
     ),
-    "length": re.compile(rf"\b{_NUM}[\s-]*(?:{_LENGTH_UNITS})(?![a-z])", re.IGNORECASE),
-    "duration": re.compile(rf"\b{_NUM}[\s-]*(?:{_DURATION_UNITS})\b", re.IGNORECASE),
-    "count": re.compile(rf"\b{_NUM}\b", re.IGNORECASE),
-    "amount": re.compile(rf"(?:{_CURRENCY})\s*\d|\d[\d,.]*\s*(?:{_SCALE}|(?:{_CURRENCY}))", re.IGNORECASE),
+    "length": re.compile(rf"\b{NUMBER}[\s-]*(?:{LENGTH_UNITS})(?![a-z])", re.IGNORECASE),
+    "duration": re.compile(rf"\b{NUMBER}[\s-]*(?:{DURATION_UNITS})\b", re.IGNORECASE),
+    "count": re.compile(rf"\b{NUMBER}\b", re.IGNORECASE),
+    "amount": re.compile(rf"(?:{CURRENCY})\s*\d|\d[\d,.]*\s*(?:{SCALE}|(?:{CURRENCY}))", re.IGNORECASE),
     "percent": re.compile(r"\d(?:[\d.,]*)\s*(?:%|per ?cent\b|percentage points?)", re.IGNORECASE),
-    "name": re.compile(
-        r"(?<![.!?]\s)(?<!^)\b[A-Z][\w'’-]*[a-z][\w'’-]*(?:\s+(?:[A-Z][\w'’.-]+|of|de|van|von|al|bin))*"
-    ),
+    "name": NAME_PHRASE,
 }
 
 #: Words that make a proper name an organisation, not a person.
@@ -99,7 +89,7 @@ _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
             "amount",
         ),
         (r"\bhow much\b", "amount count percent length"),
-        (rf"\bhow many (?:{_DURATION_UNITS})\b", "duration"),
+        (rf"\bhow many (?:{DURATION_UNITS})\b", "duration"),
         (r"\bhow (many|old)\b|\bwhat (number|age)\b", "count"),
         (r"\bwho(m|se)?\b", "person"),
         (r"\bwhere\b|\bwhat (city|country|town|place|state|region)\b|\bin which (city|country|town|state)\b", "place"),
@@ -150,16 +140,11 @@ def answer_type(question: str, best_sentence: str, passage: str) -> float:
     return 0.75 if holds_kind(kinds, passage, question) else 0.0
 
 
-_QUOTED = re.compile(r"[\"“”]([^\"“”]{2,80})[\"“”]")
-#: A number standing alone: not part of a name or code such as "EU-2", "Q3" or "v4.3.1".
-_VALUE = re.compile(r"(?<![\w.-])\d[\d,]*(?:\.\d+)?(?![\w-]|\.\d)")
-
-
 def _values(text: str) -> Dict[str, set[str]]:
     found: Dict[str, set[str]] = {"year": set(), "number": set()}
-    for m in _VALUE.finditer(text):
+    for m in VALUE.finditer(text):
         value = m.group(0).replace(",", "").rstrip(".")
-        found["year" if re.fullmatch(r"1[0-9]{3}|20[0-9]{2}", value) else "number"].add(value)
+        found["year" if re.fullmatch(YEAR, value) else "number"].add(value)
     return found
 
 
@@ -261,7 +246,7 @@ def constraints(question: str, passage: str) -> float:
     contradicts); 0.25 when one is missing otherwise; 0.5 when the question sets none.
     """
     asked = _values(question)
-    quoted = [q.strip().lower() for q in _QUOTED.findall(question)]
+    quoted = [q.strip().lower() for q in QUOTED.findall(question)]
     if not any(asked.values()) and not quoted:
         return 0.5
     held = _values(passage)

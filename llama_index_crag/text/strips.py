@@ -10,6 +10,7 @@ from typing import List, Optional, Tuple
 
 from llama_index.core.schema import NodeWithScore
 
+from llama_index_crag.text.patterns import CAPITALISED
 from llama_index_crag.text.split import split_sentences, terms
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
@@ -25,8 +26,6 @@ _REFERS_BACK = re.compile(
     r"|game|agency|department|court|law|act|report|plan|policy|feature|release|version|tool|app|outage|incident))\b",
     re.IGNORECASE,
 )
-#: A capitalised word: a name, or part of one, or a code ("Kestrel", "Farrow", "EU-2", "Q3").
-_CAPITALISED = re.compile(r"\b[A-Z][\w'’-]*")
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ def subject_of(title: str, before: str) -> str:
     docs/grading.md measure the readings)."""
     if not before:
         return title.strip()
-    return " ".join(dict.fromkeys(w for w in _CAPITALISED.findall(before) if terms(w)))
+    return " ".join(dict.fromkeys(w for w in CAPITALISED.findall(before) if terms(w)))
 
 
 def _with_subjects(strips: List[Strip], title: str) -> List[Strip]:
