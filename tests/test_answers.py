@@ -19,7 +19,6 @@ from llama_index.core.llms import MockLLM
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from llama_index_crag import CorrectiveQueryEngine
-from llama_index_crag.answers.abstracts import describes_methods, gives_background, states_a_gap, states_an_aim
 from llama_index_crag.answers.answer_model import (
     ANSWER_FEATURES,
     PACKAGED_DIR,
@@ -42,6 +41,12 @@ from llama_index_crag.cli import main
 from llama_index_crag.core.loop import evidence_grade
 from llama_index_crag.datasets import Question, load_documents, load_questions
 from llama_index_crag.errors import ConfigError
+from llama_index_crag.presets.structured_abstracts import (
+    describes_methods,
+    gives_background,
+    states_a_gap,
+    states_an_aim,
+)
 from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.text.split import split_sentences
 

@@ -27,6 +27,7 @@ LAYERS = (
     "scorers",
     "stores",
     "web",
+    "presets",
     "answers",
     "core",
     "arguments",

@@ -12,7 +12,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from llama_index.core.schema import NodeWithScore
 
-from llama_index_crag.answers.abstracts import QUOTE_PRESETS, QuoteRule
 from llama_index_crag.answers.answer_model import (
     AnswerModel,
     Candidate,
@@ -22,6 +21,7 @@ from llama_index_crag.answers.answer_model import (
 )
 from llama_index_crag.answers.sources import source_name
 from llama_index_crag.errors import ConfigError
+from llama_index_crag.presets import QUOTE_PRESETS, QuoteRule
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import bi_encoder_of
 from llama_index_crag.scorers.evidence import EvidenceScorer
@@ -111,7 +111,7 @@ class EvidenceQuoter:
         answer_threshold: The probability a strip must reach to be quoted, whatever the grade; None: the model's
             own decision, fitted on the design halves of the development sets.
         model: The answer model (the packaged one by default).
-        preset: Rules a corpus opts into (``answers.abstracts.QUOTE_PRESETS``): ``structured_abstracts``.
+        preset: Rules a corpus opts into (``presets.QUOTE_PRESETS``): ``structured_abstracts``.
     """
 
     def __init__(

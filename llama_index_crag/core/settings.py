@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Tuple
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from llama_index_crag.answers.abstracts import QuotePreset
 from llama_index_crag.answers.policy import AnswerMode, OnUngrounded
 from llama_index_crag.errors import ConfigError
+from llama_index_crag.presets import QuotePreset
 from llama_index_crag.settings_sources import (
     ENV_PREFIX,
     Environment,

@@ -1,4 +1,4 @@
-"""The opt-in quote rules for structured abstracts (``quote_preset="structured_abstracts"``), off by default.
+"""The quote rules for structured abstracts (``quote_preset="structured_abstracts"``), opt-in, off by default.
 
 A biomedical abstract states what its study set out to learn, how it was done, what was
 known before it and what is not yet known, each in the words of the claim it is about;
@@ -11,7 +11,6 @@ preset a user opts into for such a corpus, not part of the default answer step.
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, Literal, Tuple
 
 from llama_index_crag.scorers.answer_type import asks
 from llama_index_crag.text.split import split_sentences
@@ -184,13 +183,3 @@ def states_a_gap(question: str, text: str) -> bool:
     # graphical abstract's highlights run together) states the findings.
     first = split_sentences(text.strip())[:1]
     return bool(first and _UNKNOWN.search(first[0]))
-
-
-#: A rule: whether a strip must not be quoted for a question (``rule(question, text)``).
-QuoteRule = Callable[[str, str], bool]
-#: The names ``quote_preset`` takes (``CRAG_QUOTE_PRESET``).
-QuotePreset = Literal["structured_abstracts"]
-#: The presets of ``quote_preset``, each the rules it adds to the answer step.
-QUOTE_PRESETS: Dict[str, Tuple[QuoteRule, ...]] = {
-    "structured_abstracts": (states_an_aim, describes_methods, gives_background, states_a_gap),
-}
