@@ -248,3 +248,20 @@ def test_a_fallback_back_through_the_primary_searches_with_the_rewrite(nodes: Li
     trace = built.query(QUESTIONS[1]).metadata["crag"]
     rewrite = trace["rewritten_query"]
     assert rewrite != QUESTIONS[1] and primary.asked == [(QUESTIONS[1], [QUESTIONS[1]]), (rewrite, [rewrite])]
+
+
+def test_the_default_fallback_embeds_its_sentences_with_the_index_s_own_model(
+    nodes: List[BaseNode], embed_model: Any
+) -> None:
+    """An index embedded with a model of its own (another name than the bundled one), no embed_model given: the
+    sentence index is embedded with the index's model, so the question's vector serves both searches."""
+    own = CountingEmbedding(embed_model, name="the-index-model")
+    built = CorrectiveQueryEngine.from_defaults(index=VectorStoreIndex(nodes, embed_model=own), llm=None, **INCORRECT)
+    chunks = {n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes}
+    own.texts.clear()
+    built.query(QUESTIONS[0])  # builds the sentence index
+    assert [t for t in own.texts if t not in chunks], "the sentences were embedded by another model"
+    for question in QUESTIONS[1:]:
+        own.queries.clear()
+        trace = built.query(question).metadata["crag"]
+        assert "sentence_window" in trace["fallback_sources"] and own.queries == [question], trace
