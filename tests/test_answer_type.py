@@ -39,7 +39,9 @@ ASKED = {
     "length": (
         "How tall is the tower?",
         st.builds(
-            "{} {}".format, NUMBERS, st.sampled_from(["metres", "km", "feet", "miles", "nautical miles", "acres"])
+            "{} {}".format,
+            NUMBERS,
+            st.sampled_from(["metres", "km", "feet", "miles", "nautical miles", "acres", "bytes", "MB", "characters"]),
         ),
     ),
     "duration": (
@@ -63,6 +65,17 @@ ASKED = {
             st.builds("{}/{}/2021".format, DAYS, st.integers(1, 12)),
             st.builds("{}:{:02d}".format, HOURS, st.integers(0, 59)),
             st.builds("{} pm".format, HOURS),
+        ),
+    ),
+    # A manual's question about a setting's default, answered where the text states the default and its value.
+    "default": (
+        "What is the default value of the retry limit?",
+        st.builds(
+            lambda form, value: form.format(value),
+            st.sampled_from(
+                ["the default is {}", "it defaults to {}", "(default {})", "{} is the default", "{} by default"]
+            ),
+            st.one_of(FIGURES, st.sampled_from(["4MB", "replica", "Read Committed", "on"])),
         ),
     ),
     "person": (
@@ -101,6 +114,29 @@ def test_the_kind_a_question_asks_is_the_kind_of_its_own_answer_far_more_often_t
         own += any(holds_kind(kinds[i], a, question.question) for a in question.answers)
         other += any(holds_kind(another, a, question.question) for a in question.answers)
     assert len(asking) >= 15 and own >= 3 * other and own >= len(asking) / 2, (own, other, len(asking))
+
+
+@pytest.mark.parametrize(
+    "question",
+    [
+        "What is the default value of work_mem?",
+        "whats the defualt work_mem",
+        "autovacuum_freeze_max_age default value?",
+    ],
+)
+def test_a_setting_mentioned_with_default_but_no_stated_default_does_not_answer_a_default_question(
+    question: str,
+) -> None:
+    # The passages a default question finds name the setting and the word; only the one that states it answers.
+    kinds = asked_kinds(question)
+    assert kinds == frozenset({"default"})
+    assert not holds_kind(kinds, "Be careful not to set the default value too high for work_mem.", question)
+    assert not holds_kind(kinds, "The memory used could be many times the value of work_mem.", question)
+    assert holds_kind(
+        kinds,
+        "If this value is specified without units, it is taken as kilobytes. The default is four megabytes (4MB).",
+        question,
+    )
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from llama_index_crag.text.patterns import (
     NUMBER,
     QUOTED,
     SCALE,
+    STATED_DEFAULT,
     VALUE,
     YEAR,
 )
@@ -44,6 +45,7 @@ PATTERNS: Dict[str, re.Pattern[str]] = {
     "amount": re.compile(rf"(?:{CURRENCY})\s*\d|\d[\d,.]*\s*(?:{SCALE}|(?:{CURRENCY}))", re.IGNORECASE),
     "percent": re.compile(r"\d(?:[\d.,]*)\s*(?:%|per ?cent\b|percentage points?)", re.IGNORECASE),
     "name": NAME_PHRASE,
+    "default": STATED_DEFAULT,
 }
 
 #: Words that make a proper name an organisation, not a person.
@@ -69,6 +71,13 @@ _UNTIL_WHEN = r"\b(?:until|till|til) when\b"
 _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), frozenset(kinds.split()))
     for pattern, kinds in (
+        # "What is the default value of work_mem?", "whats the defualt work_mem", "autovacuum_freeze_max_age default
+        # value?": a manual's question about a setting's default is answered where the text states it.
+        (
+            r"\bwhat(?:'s|s)?\s+(?:is\s+|are\s+|was\s+)?(?:the\s+)?(?:defaults?|defualt)\b"
+            r"|\bdefaults?\s+(?:values?|settings?)\s*(?:of|for)\b|\bdefault\s+values?\W*$",
+            "default",
+        ),
         (
             r"\bhow long\b.*\b(last|lasted|take|took|takes|run|ran|stay|stayed|serve|served|reign|reigned|wait"
             r"|live|lived)\b",
@@ -193,11 +202,11 @@ def _lower_words(text: str) -> set[str]:
     return set(_LOWER_WORD.findall(_IDIOMS.sub(" ", text.replace("’", "'"))))
 
 
-#: A query that asks: a question mark anywhere ("They did not allow which country?"), "what" anywhere ("Space
-#: Island One starred what actress"), or a question word or an auxiliary first ("What was developed for the Air
-#: Force"). A claim's "which", "where" or "when" opens a clause; it does not ask.
+#: A query that asks: a question mark anywhere ("They did not allow which country?"), "what" (or "whats")
+#: anywhere ("Space Island One starred what actress"), or a question word or an auxiliary first ("What was
+#: developed for the Air Force"). A claim's "which", "where" or "when" opens a clause; it does not ask.
 _ASKS = re.compile(
-    r"\?|\bwhat\b|^\W*(?:which|who|whom|whose|when|where|why|how|is|are|was|were|do|does|did|can|could|will|would"
+    r"\?|\bwhats?\b|^\W*(?:which|who|whom|whose|when|where|why|how|is|are|was|were|do|does|did|can|could|will|would"
     r"|should|has|have|had)\b",
     re.IGNORECASE,
 )

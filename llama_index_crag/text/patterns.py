@@ -54,6 +54,8 @@ LENGTH_UNITS = (
     r"(?:kilo|centi|milli)?met(?:re|er)s?|km|cm|mm|m|miles?|mi|feet|foot|ft|inch(?:es)?|in\.|yards?|yd"
     r"|nautical miles?|light[- ]years?|(?:square|sq\.?) (?:met(?:re|er)s?|miles?|feet|km)|acres?|hectares?"
     r"|storeys|stories"
+    # the size of data: a name "may be 63 bytes long", a WAL segment "is 16MB"
+    r"|bytes?|characters?|kilobytes?|megabytes?|gigabytes?|terabytes?|kb|mb|gb|tb"
 )
 DURATION_UNITS = (
     r"(?:milli)?seconds?|secs?|minutes?|mins?|hours?|hrs?|days?|weeks?|months?|years?|decades?|centur(?:y|ies)"
@@ -70,6 +72,16 @@ QUANTITY = re.compile(
 )
 #: The space a text may put between a number and its unit ("40 mg" for "40mg").
 UNIT_GAP = re.compile(r"(?<=\d)\s+(?=[^\W\d_])")
+
+#: Where a text states a default, with what it is: "The default is 4MB", "defaults to 0.9", "(default 100)",
+#: "Read Committed is the default", "uses spread checkpoints by default".
+STATED_DEFAULT = re.compile(
+    r"\bdefaults?(?:\s+value)?\s*(?:\b(?:is|are|was|to)\b|:|=)\s*[^\s.,;]+"
+    r"|\(defaults?:?\s+[^)\s]+[^)]*\)"
+    r"|[^\s.,;]+\s+(?:is|are|was)\s+(?:the\s+)?default\b"
+    r"|[^\s.,;]+\s+by\s+default\b",
+    re.IGNORECASE,
+)
 
 # -- codes ------------------------------------------------------------------------------------------------------
 
