@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from llama_index_crag.datasets import SPLITS, Halves, Question, numbered_rows, text_field
 from llama_index_crag.errors import DatasetError
+from llama_index_crag.local.embedding_cache import WrappedEmbedding
 
 RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"
@@ -141,16 +142,13 @@ def split_set(
     return kept, [d for d in documents if halves.keeps_document(d)]
 
 
-class CountingEmbedding(BaseEmbedding):
+class CountingEmbedding(WrappedEmbedding):
     """An embedding model that counts the passages it embeds (what an ingest pays for), and is otherwise ``inner``."""
 
-    _inner: BaseEmbedding = PrivateAttr()
     _count: int = PrivateAttr(default=0)
 
     def __init__(self, inner: BaseEmbedding) -> None:
-        super().__init__(model_name=inner.model_name, embed_batch_size=inner.embed_batch_size)
-        self._inner = inner
-        self._count = 0
+        super().__init__(inner)
 
     @property
     def embedded(self) -> int:
@@ -160,18 +158,9 @@ class CountingEmbedding(BaseEmbedding):
     def class_name(cls) -> str:
         return "CountingEmbedding"
 
-    def _get_query_embedding(self, query: str) -> Embedding:
-        return self._inner.get_query_embedding(query)
-
-    async def _aget_query_embedding(self, query: str) -> Embedding:
-        return await self._inner.aget_query_embedding(query)
-
-    def _get_text_embedding(self, text: str) -> Embedding:
-        return self.get_text_embedding_batch([text])[0]
-
     def get_text_embedding_batch(self, texts: List[str], show_progress: bool = False, **kwargs: Any) -> List[Embedding]:
         self._count += len(texts)
-        return self._inner.get_text_embedding_batch(texts, show_progress=show_progress, **kwargs)
+        return super().get_text_embedding_batch(texts, show_progress=show_progress, **kwargs)
 
 
 @dataclass

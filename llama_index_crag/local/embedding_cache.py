@@ -22,7 +22,30 @@ DEFAULT_CACHE_DIR = Path(".crag-cache")
 _SAVE_EVERY = 1024
 
 
-class DiskCachedEmbedding(BaseEmbedding):
+class WrappedEmbedding(BaseEmbedding):
+    """An embedding model that is ``inner`` under its name, for a subclass to change how passages are embedded
+    (``get_text_embedding_batch``): queries go to ``inner`` as they are, one passage is a batch of one."""
+
+    _inner: BaseEmbedding = PrivateAttr()
+
+    def __init__(self, inner: BaseEmbedding) -> None:
+        super().__init__(model_name=inner.model_name, embed_batch_size=inner.embed_batch_size)
+        self._inner = inner
+
+    def _get_query_embedding(self, query: str) -> Embedding:
+        return self._inner.get_query_embedding(query)
+
+    async def _aget_query_embedding(self, query: str) -> Embedding:
+        return await self._inner.aget_query_embedding(query)
+
+    def _get_text_embedding(self, text: str) -> Embedding:
+        return self.get_text_embedding_batch([text])[0]
+
+    def get_text_embedding_batch(self, texts: List[str], show_progress: bool = False, **kwargs: Any) -> List[Embedding]:
+        return self._inner.get_text_embedding_batch(texts, show_progress=show_progress, **kwargs)
+
+
+class DiskCachedEmbedding(WrappedEmbedding):
     """An embedding model whose passage vectors persist in one ``.npz`` file, keyed by a hash of the text.
 
     The corpus (and the fallback's sentence windows) are embedded once per dataset
@@ -33,7 +56,6 @@ class DiskCachedEmbedding(BaseEmbedding):
     is never written: texts it lacks are embedded and not kept.
     """
 
-    _inner: BaseEmbedding = PrivateAttr()
     _path: Path = PrivateAttr()
     _vectors: Dict[str, np.ndarray] = PrivateAttr()
     _progress: bool = PrivateAttr()
@@ -41,8 +63,7 @@ class DiskCachedEmbedding(BaseEmbedding):
     _lock: Any = PrivateAttr()
 
     def __init__(self, inner: BaseEmbedding, path: Path, progress: bool = False, read_only: bool = False) -> None:
-        super().__init__(model_name=inner.model_name, embed_batch_size=inner.embed_batch_size)
-        self._inner = inner
+        super().__init__(inner)
         self._path = path
         self._progress = progress
         self._read_only = read_only
@@ -55,15 +76,6 @@ class DiskCachedEmbedding(BaseEmbedding):
     @classmethod
     def class_name(cls) -> str:
         return "DiskCachedEmbedding"
-
-    def _get_query_embedding(self, query: str) -> Embedding:
-        return self._inner.get_query_embedding(query)
-
-    async def _aget_query_embedding(self, query: str) -> Embedding:
-        return await self._inner.aget_query_embedding(query)
-
-    def _get_text_embedding(self, text: str) -> Embedding:
-        return self.get_text_embedding_batch([text])[0]
 
     def get_text_embedding_batch(self, texts: List[str], show_progress: bool = False, **kwargs: Any) -> List[Embedding]:
         """Vectors of ``texts``: from the cache, embedding (shortest first, saved as it goes) what is missing."""
