@@ -253,8 +253,9 @@ def test_a_fallback_back_through_the_primary_searches_with_the_rewrite(nodes: Li
 def test_the_default_fallback_embeds_its_sentences_with_the_index_s_own_model(
     nodes: List[BaseNode], embed_model: Any
 ) -> None:
-    """An index embedded with a model of its own (another name than the bundled one), no embed_model given: the
-    sentence index is embedded with the index's model, so the question's vector serves both searches."""
+    """An index embedded with a model of its own (another name than the bundled one), no embed_model given and none
+    set in Settings: the sentence index is embedded with the index's model, so the question's vector serves both
+    searches."""
     own = CountingEmbedding(embed_model, name="the-index-model")
     built = CorrectiveQueryEngine.from_defaults(index=VectorStoreIndex(nodes, embed_model=own), llm=None, **INCORRECT)
     chunks = {n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes}

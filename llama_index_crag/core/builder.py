@@ -240,9 +240,10 @@ def fallback_parts(
                 over,
                 sources=sources,
                 similarity_top_k=resolved.similarity_top_k,
-                # The sentences are embedded as the primary index embedded its chunks (and searched with its
-                # query vector: ``fallback_query``).
-                embed_model=embed_model or _embed_model_of(primary),
+                # The sentences are embedded by the model given (or set in Settings: the model wherever none is
+                # passed), else as the primary index embedded its chunks, whose query vector then serves both
+                # searches (``fallback_query``).
+                embed_model=embed_model or _settings_embed_model() or _embed_model_of(primary),
                 callback_manager=callback_manager,
                 widen_to=resolved.fallback_widen,
             )
@@ -254,6 +255,13 @@ def fallback_parts(
     if given_fallback or broaden:
         fallback = scoped_retriever(fallback, scope)  # a given fallback is narrowed too, or the build stops
     return fallback, broadening
+
+
+def _settings_embed_model() -> Optional[BaseEmbedding]:
+    from llama_index.core.settings import Settings
+
+    model = getattr(Settings, "_embed_model", None)  # the public property would resolve OpenAI's default
+    return model if isinstance(model, BaseEmbedding) else None
 
 
 def _embed_model_of(retriever: BaseRetriever) -> Optional[BaseEmbedding]:
