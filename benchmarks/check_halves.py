@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -110,32 +108,7 @@ def evaluate(
     ]
     subprocess.run(command, check=True, cwd=tree, env=env, stdout=subprocess.DEVNULL)
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
-    rows = [r for r in results["rows"] if r["system"] == "crag"]
-    return {**results["figures"]["crag"], "intervals": {key: half_width(rows, key) for key in PER_ROW}}
-
-
-#: Each figure's values per question, for its interval: the rows it averages and what each row counts.
-PER_ROW: Dict[str, Tuple[Optional[str], Callable[[Dict[str, Any]], Optional[float]]]] = {
-    "false_abstention": ("answerable", lambda r: float(r["abstained"])),
-    "truthfulness": (
-        None,
-        lambda r: None if r["correct"] is None else 0.0 if r["abstained"] else 1.0 if r["correct"] else -1.0,
-    ),
-    "abstain_out_of_corpus": ("out_of_corpus", lambda r: float(r["abstained"])),
-    "abstain_unanswerable": ("unanswerable", lambda r: float(r["abstained"])),
-}
-
-
-def half_width(rows: List[Dict[str, Any]], key: str) -> Optional[float]:
-    """Half the width of a figure's 95% interval over the questions it averages (normal approximation): a half
-    of a shared set is a few hundred questions, so one question moves a figure by a point or more."""
-    if key not in PER_ROW:
-        return None
-    kind, value = PER_ROW[key]
-    values = [v for v in (value(r) for r in rows if kind is None or r["kind"] == kind) if v is not None]
-    if len(values) < 2:
-        return None
-    return 1.96 * statistics.stdev(values) / math.sqrt(len(values))
+    return dict(results["figures"]["crag"])  # with its "intervals" (llama-crag eval gives them)
 
 
 def percent(value: Optional[float], plus_minus: Optional[float] = None) -> str:

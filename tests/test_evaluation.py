@@ -145,6 +145,31 @@ def test_eval_command_writes_the_report_the_json_and_the_plots(
     assert "## Targets" in (out / "report.md").read_text()
 
 
+def test_the_headline_figures_carry_half_their_95_percent_interval_over_their_own_questions(
+    evaluated: Tuple[List[str], Path],
+) -> None:
+    _, out = evaluated
+    results = json.loads((out / "results.json").read_text())
+    rows = [r for r in results["rows"] if r["system"] == "crag"]
+
+    def expected(values: List[float]) -> float:
+        mean = sum(values) / len(values)
+        return 1.96 * (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 / len(values) ** 0.5
+
+    def abstained(kind: str) -> List[float]:
+        return [float(r["abstained"]) for r in rows if r["kind"] == kind]
+
+    points = [0.0 if r["abstained"] else 1.0 if r["correct"] else -1.0 for r in rows if r["correct"] is not None]
+    intervals = results["figures"]["crag"]["intervals"]
+    assert intervals["abstain_out_of_corpus"] == pytest.approx(expected(abstained("out_of_corpus")))
+    assert intervals["abstain_unanswerable"] == pytest.approx(expected(abstained("unanswerable")))
+    assert intervals["false_abstention"] == pytest.approx(expected(abstained("answerable")))
+    assert intervals["truthfulness"] == pytest.approx(expected(points))
+    report = (out / "report.md").read_text()
+    truthful = next(line for line in report.splitlines() if line.startswith("| truthfulness"))
+    assert f"±{100 * intervals['truthfulness']:.1f}" in truthful
+
+
 def test_a_target_on_token_counts_shows_counts_even_when_quoting_needs_none() -> None:
     from llama_index_crag.evaluation.metrics import _relative
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -192,6 +194,13 @@ def summarize(rows: Sequence[Dict[str, Any]], systems: Sequence[str]) -> Dict[st
             "input_tokens_answered": _mean([r["input_tokens"] for r in mine if not r["abstained"]]),
             "judge_calls": _mean([r["judge_calls"] for r in mine]),
             "actions": {a: round(n / len(mine), 4) for a, n in sorted(actions.items())},
+            # Half a 95% interval of the headline figures, over the questions each averages.
+            "intervals": {
+                "abstain_out_of_corpus": half_width([float(r["abstained"]) for r in kind[OUT_OF_CORPUS]]),
+                "abstain_unanswerable": half_width([float(r["abstained"]) for r in kind[UNANSWERABLE]]),
+                "false_abstention": half_width([float(r["abstained"]) for r in answerable]),
+                "truthfulness": half_width([float(t) for t in (truthfulness(r) for r in mine) if t is not None]),
+            },
             "latency_ms": {
                 **{
                     stage: _percentiles([r["timings_ms"][stage] for r in mine if stage in r["timings_ms"]])
@@ -203,6 +212,14 @@ def summarize(rows: Sequence[Dict[str, Any]], systems: Sequence[str]) -> Dict[st
             },
         }
     return figures
+
+
+def half_width(values: Sequence[float]) -> Optional[float]:
+    """Half the width of the 95% interval of a mean over ``values`` (normal approximation): a half of a shared set
+    is a few hundred questions, so one question moves a figure by a point or more. None under two values."""
+    if len(values) < 2:
+        return None
+    return 1.96 * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def truthfulness(row: Dict[str, Any]) -> Optional[int]:

@@ -26,7 +26,6 @@ any grader).
 from __future__ import annotations
 
 import json
-import math
 import resource
 import shlex
 import shutil
@@ -45,6 +44,7 @@ from tqdm import tqdm
 
 from llama_index_crag.datasets import SPLITS, Halves, Question, numbered_rows, text_field
 from llama_index_crag.errors import DatasetError
+from llama_index_crag.evaluation.metrics import half_width
 from llama_index_crag.local.embedding_cache import WrappedEmbedding
 
 RESULTS_FILE = "results.json"
@@ -346,14 +346,6 @@ def _ask(engine: Any, plain: Any, question: DocQuestion) -> Dict[str, Any]:
 def _kinds(rows: Sequence[Dict[str, Any]]) -> List[str]:
     present = list(dict.fromkeys(r["kind"] for r in rows))
     return [k for k in KIND_ORDER if k in present] + [k for k in present if k not in KIND_ORDER]
-
-
-def half_width(values: Sequence[float]) -> Optional[float]:
-    """Half the width of the 95% interval of a mean over ``values`` (normal approximation), as
-    ``benchmarks/check_halves.py`` gives it; None under two values."""
-    if len(values) < 2:
-        return None
-    return 1.96 * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def _figures(rows: Sequence[Dict[str, Any]], system: str) -> Dict[str, Any]:

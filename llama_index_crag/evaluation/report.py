@@ -92,8 +92,13 @@ def markdown(results: Dict[str, Any]) -> str:
         "",
         _table(
             ["figure", *systems],
-            [[label, *(_format(figures[s][key], fmt) for s in systems)] for label, key, fmt in _ROWS],
+            [
+                [label, *(_format(figures[s][key], fmt, figures[s].get("intervals", {}).get(key)) for s in systems)]
+                for label, key, fmt in _ROWS
+            ],
         ),
+        "± is half a 95% interval over the questions the figure averages (normal approximation).",
+        "",
         _table(
             ["actions", *systems],
             [[a, *(_format(figures[s]["actions"].get(a), "pct") for s in systems)] for a in ACTIONS],
@@ -194,10 +199,13 @@ def _table(header: List[str], rows: List[List[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _format(value: Optional[float], fmt: str) -> str:
+def _format(value: Optional[float], fmt: str, plus_minus: Optional[float] = None) -> str:
+    """A figure; with ``plus_minus``, half its 95% interval after it ("2.0% ±3.1")."""
     if value is None:
         return "-"
-    return f"{value:.1%}" if fmt == "pct" else f"{value:,.1f}"
+    if fmt != "pct":
+        return f"{value:,.1f}"
+    return f"{value:.1%}" + ("" if plus_minus is None else f" ±{100 * plus_minus:.1f}")
 
 
 def _plots(out: Path, figures: Figures) -> None:
