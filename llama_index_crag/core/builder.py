@@ -227,6 +227,8 @@ def fallback_parts(
 ) -> Tuple[BaseRetriever, Optional[Broadening]]:
     """The INCORRECT branch's retrieval (BM25 and sentence windows over the nodes inside the scope, or back
     through the primary retriever), and the opt-in broadening's."""
+    from llama_index_crag.local.models import settings_embed_model
+
     nodes, scope, floor = searched.nodes, searched.scope, searched.floor
     if broaden and nodes is None:
         raise ConfigError(
@@ -243,7 +245,7 @@ def fallback_parts(
                 # The sentences are embedded by the model given (or set in Settings: the model wherever none is
                 # passed), else as the primary index embedded its chunks, whose query vector then serves both
                 # searches (``fallback_query``).
-                embed_model=embed_model or _settings_embed_model() or _embed_model_of(primary),
+                embed_model=embed_model or settings_embed_model() or _embed_model_of(primary),
                 callback_manager=callback_manager,
                 widen_to=resolved.fallback_widen,
             )
@@ -255,13 +257,6 @@ def fallback_parts(
     if given_fallback or broaden:
         fallback = scoped_retriever(fallback, scope)  # a given fallback is narrowed too, or the build stops
     return fallback, broadening
-
-
-def _settings_embed_model() -> Optional[BaseEmbedding]:
-    from llama_index.core.settings import Settings
-
-    model = getattr(Settings, "_embed_model", None)  # the public property would resolve OpenAI's default
-    return model if isinstance(model, BaseEmbedding) else None
 
 
 def _embed_model_of(retriever: BaseRetriever) -> Optional[BaseEmbedding]:

@@ -60,12 +60,18 @@ def load_embed_model(name: str) -> BaseEmbedding:
         ) from exc
 
 
-def settings_or_default_embed_model() -> BaseEmbedding:
-    """``Settings.embed_model`` when one is set, else the bundled MiniLM: the model used wherever none is passed.
+def settings_embed_model() -> Optional[BaseEmbedding]:
+    """``Settings.embed_model`` when one is set, else None.
 
     ``Settings._embed_model`` is read: the public property resolves (and imports) OpenAI's default when none is set.
     """
-    return getattr(Settings, "_embed_model", None) or default_embed_model()
+    model = getattr(Settings, "_embed_model", None)
+    return model if isinstance(model, BaseEmbedding) else None
+
+
+def settings_or_default_embed_model() -> BaseEmbedding:
+    """``Settings.embed_model`` when one is set, else the bundled MiniLM: the model used wherever none is passed."""
+    return settings_embed_model() or default_embed_model()
 
 
 def describe_llm(llm: Any) -> str:

@@ -363,11 +363,10 @@ def _lines(text: str) -> List[Tuple[int, int]]:
 
 
 def _settings_embed_model() -> Optional[BaseEmbedding]:
-    """``Settings.embed_model`` when a user set one (read without resolving LlamaIndex's default), else None: the
-    bundled model's window."""
-    from llama_index.core import Settings
+    """``Settings.embed_model`` when a user set one, else None: the bundled model's window."""
+    from llama_index_crag.local.models import settings_embed_model
 
-    return getattr(Settings, "_embed_model", None)
+    return settings_embed_model()
 
 
 def splitter(embed_model: Optional[BaseEmbedding] = None) -> WindowChunker:
