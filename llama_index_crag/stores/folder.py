@@ -42,6 +42,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from llama_index_crag.datasets import load_documents
 from llama_index_crag.errors import IndexFolderError
+from llama_index_crag.local.embedding_cache import WrappedEmbedding
 from llama_index_crag.stores.chunking import fingerprint, splitter
 from llama_index_crag.stores.metadata import (
     MARKDOWN_SUFFIXES,
@@ -562,7 +563,7 @@ def _default_embed_model() -> BaseEmbedding:
     return default_embed_model()
 
 
-class _Counted(BaseEmbedding):
+class _Counted(WrappedEmbedding):
     """An embedding model that advances a progress bar by the passages it embeds, while one is shown.
 
     It sits under the folder's cache (``DiskCachedEmbedding``), so it counts what is embedded, not what the
@@ -570,14 +571,12 @@ class _Counted(BaseEmbedding):
     index folder); otherwise it is the count of the first batch the cache asks for, and grows by each later one.
     """
 
-    _inner: BaseEmbedding = PrivateAttr()
     _bar: Any = PrivateAttr(default=None)
     _exact: bool = PrivateAttr(default=True)
     _calls: int = PrivateAttr(default=0)
 
     def __init__(self, inner: BaseEmbedding) -> None:
-        super().__init__(model_name=inner.model_name, embed_batch_size=inner.embed_batch_size)
-        self._inner = inner
+        super().__init__(inner)
 
     @classmethod
     def class_name(cls) -> str:
@@ -602,19 +601,13 @@ class _Counted(BaseEmbedding):
             self._bar.close()
             self._bar = None
 
-    def _get_query_embedding(self, query: str) -> Embedding:
-        return self._inner.get_query_embedding(query)
-
-    async def _aget_query_embedding(self, query: str) -> Embedding:
-        return await self._inner.aget_query_embedding(query)
-
     def _get_text_embedding(self, text: str) -> Embedding:
-        return self._inner.get_text_embedding(text)
+        return self._inner.get_text_embedding(text)  # one passage: not counted on the bar
 
     def get_text_embedding_batch(self, texts: List[str], show_progress: bool = False, **kwargs: Any) -> List[Embedding]:
         bar = self._bar
         if bar is None:
-            return self._inner.get_text_embedding_batch(texts, show_progress=show_progress, **kwargs)
+            return super().get_text_embedding_batch(texts, show_progress=show_progress, **kwargs)
         if not self._exact:
             bar.total = (bar.total if self._calls else 0) + len(texts)
             bar.refresh()
