@@ -48,6 +48,7 @@ from llama_index_crag.presets.structured_abstracts import (
     states_an_aim,
 )
 from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.text.patterns import IDENTIFIER
 from llama_index_crag.text.split import split_sentences
 
 from .check_halves import check_half, scifact_sentences
@@ -417,6 +418,7 @@ def test_under_the_threshold_nothing_is_quoted_and_the_best_strip_is_withheld() 
         "threshold": 1.0,
         "evidence_place": 0.5,
         "passed": False,
+        "unnamed": [],
         "withheld": [asdict(strict.withheld[0])],
     }
     loose = EvidenceQuoter(scorer, strip_min_tokens=3, answer_threshold=0.0, max_quotes=1).quote(
@@ -927,3 +929,96 @@ def test_the_answer_step_reads_bad_input_to_a_defined_outcome(
     check = decided.check()
     assert check is not None and 0.0 <= check["grade"] <= 1.0 and check["evidence_place"] == 0.5
     assert check["passed"] is bool(decided.quotes) and (check["passed"] or len(check["withheld"]) == 1)
+
+
+_SETTINGS_PAGE = (
+    "checkpoint_timeout (integer): the longest time between automatic WAL checkpoints. The default is five "
+    "minutes. checkpoint_completion_target (floating point): the target of checkpoint completion, as a fraction "
+    "of total time between checkpoints. The default is 0.9."
+)
+
+
+@pytest.mark.parametrize(
+    ("question", "asked"),
+    [
+        ("What is the default value of checkpoint_segments?", False),
+        ("What is the default value of checkpoint_timeout?", True),
+        ("What is the default value of Checkpoint_Timeout?", True),
+    ],
+)  # fmt: skip
+def test_a_setting_the_documents_do_not_name_gets_no_quote_of_its_neighbours_default(
+    question: str, asked: bool
+) -> None:
+    nodes = [NodeWithScore(node=TextNode(text=_SETTINGS_PAGE, metadata={"title": "Checkpoints"}), score=0.9)]
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=[_SETTINGS_PAGE]), strip_min_tokens=3, answer_threshold=0.0)
+    answer = quoter.quote(question, nodes)
+    assert bool(answer.quotes) is asked, answer
+    if not asked:
+        assert answer.withheld, "the most probable strip is kept in the trace as withheld"
+
+
+def test_the_engine_abstains_on_a_setting_no_passage_names_and_says_which() -> None:
+    # The passage grades CORRECT and a quote threshold of 0 quotes anything: only the missing name withholds it.
+    page = TextNode(text=_SETTINGS_PAGE, metadata={"title": "Checkpoints"})
+    engine = make_engine(
+        MarkerScorer({"checkpoint": 0.95}), ScriptedLLM(), primary=[page], answer_mode="extract", quote_threshold=0.0
+    )
+    trace = crag(engine.query("What is the default value of checkpoint_segments?"))
+    assert trace["action"] == "correct" and trace["abstained"] and trace["quotes"] == []
+    assert trace["quote_check"]["unnamed"] == ["checkpoint_segments"] and trace["quote_check"]["withheld"]
+    assert "do not name checkpoint_segments, which the question asks about" in trace["abstain_reason"]
+    named = crag(engine.query("What is the default value of checkpoint_timeout?"))
+    assert not named["abstained"] and named["quote_check"]["unnamed"] == []
+    assert any("five minutes" in q["text"] for q in named["quotes"])
+
+
+def test_an_identifier_named_anywhere_in_the_context_lets_a_sibling_passage_answer() -> None:
+    # Documentation states one object's facts under a sibling's name: the strip is quotable when the name the
+    # question asks about stands in another retrieved passage.
+    sibling = "pg_stat_user_tables: same as pg_stat_all_tables, except that only user tables are shown."
+    table = "n_live_tup: estimated number of live rows. n_dead_tup: estimated number of dead rows."
+    nodes = [NodeWithScore(node=TextNode(text=t), score=0.9) for t in (sibling, table)]
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=[sibling, table]), strip_min_tokens=3, answer_threshold=0.0)
+    question = "Which pg_stat_user_tables column gives the estimated number of dead rows?"
+    assert any("n_dead_tup" in q.text for q in quoter.quote(question, nodes).quotes)
+    alone = quoter.quote(question, nodes[1:])
+    assert alone.quotes == [] and alone.withheld
+
+
+@pytest.mark.parametrize(
+    ("question", "found"),
+    [
+        ("What is the default value of checkpoint_segments?", ["checkpoint_segments"]),
+        ("Which pg_dump switch excludes --exclude-extension and -T?", ["pg_dump", "--exclude-extension"]),
+        ("Is a well-known e-mail co-op a name?", []),
+        ("5'-nucleotidase metabolizes 6MP; histone 2A (H2A)-histone 2B", []),
+        ("Who founded Procter and Gamble in 1837?", []),
+    ],
+)  # fmt: skip
+def test_the_identifiers_a_question_names_are_underscored_words_and_long_options(
+    question: str, found: List[str]
+) -> None:
+    assert IDENTIFIER.findall(question) == found
+
+
+def test_the_demo_says_a_withheld_strip_was_withheld_for_a_name_no_source_holds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from llama_index_crag.cli.demo import _print_evidence, _print_row
+
+    page = TextNode(text=_SETTINGS_PAGE, metadata={"title": "Checkpoints"})
+    engine = make_engine(
+        MarkerScorer({"checkpoint": 0.95}), ScriptedLLM(), primary=[page], answer_mode="extract", quote_threshold=0.0
+    )
+    question = "What is the default value of checkpoint_segments?"
+    response = engine.query(question)
+    _print_row(Question("q1", question), str(response), crag(response), [])
+    out = capsys.readouterr().out
+    assert (
+        "why: no strip of the graded passages answers the question: the passages do not name checkpoint_segments" in out
+    )
+    # Beside a generated answer that failed its check, the withheld strip is shown with the same reason.
+    _print_evidence({"quotes": [], "quote_check": crag(response)["quote_check"]})
+    said = capsys.readouterr().out
+    assert "weakly (they do not name checkpoint_segments, which the question asks about)" in said
+    assert "checkpoint_timeout" in said or "checkpoint_completion_target" in said

@@ -29,7 +29,15 @@ import numpy as np
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.answer_type import asked_kinds, asks, holds_kind
 from llama_index_crag.scorers.evidence import WORD_FEATURES, EvidenceScorer
-from llama_index_crag.text.patterns import CODE_SUFFIX, FIGURES_AND_CODES, NAME, NOT_NAMES, NUMBER_RANGE, UNIT_GAP
+from llama_index_crag.text.patterns import (
+    CODE_SUFFIX,
+    FIGURES_AND_CODES,
+    IDENTIFIER,
+    NAME,
+    NOT_NAMES,
+    NUMBER_RANGE,
+    UNIT_GAP,
+)
 from llama_index_crag.text.strips import refers_back
 
 #: The features, in the order the network reads them.
@@ -128,6 +136,22 @@ def answer_features(question: str, candidates: Sequence[Candidate], scorer: Evid
             ]
         )
     return np.hstack([words, np.asarray(rows, dtype=np.float64)])
+
+
+def unnamed_identifiers(question: str, candidates: Sequence[Candidate]) -> List[str]:
+    """The software identifiers ``question`` names ("checkpoint_segments", "--strict-names": ``IDENTIFIER``)
+    that none of the candidates' passages names, in question order.
+
+    When there is one, no strip of them answers the question, however probable the network finds it: the strip
+    answers a near miss (a neighbouring setting's default for a setting the documents do not have). The whole
+    context is searched, not each strip's own passage, because documentation states one object's facts under a
+    sibling's name ("pg_stat_user_tables: same as pg_stat_all_tables"). Names, figures and codes stay inputs the
+    network weighs (a country may be named another way); an identifier is written one way only."""
+    identifiers = list(dict.fromkeys(IDENTIFIER.findall(question)))
+    if not identifiers:
+        return []
+    context = " ".join(f"{c.said_before} {c.graded_text}" for c in candidates).casefold()
+    return [i for i in identifiers if i.casefold() not in context]
 
 
 def leads(features: np.ndarray) -> np.ndarray:

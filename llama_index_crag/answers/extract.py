@@ -18,6 +18,7 @@ from llama_index_crag.answers.answer_model import (
     QuoteDecision,
     answer_features,
     packaged_answer_model,
+    unnamed_identifiers,
 )
 from llama_index_crag.answers.sources import source_name
 from llama_index_crag.errors import ConfigError
@@ -49,7 +50,8 @@ class QuotedAnswer:
     (None when the context held no strip); ``threshold`` the probability a strip needed,
     given ``evidence``, where the grader's grade of the passages sat between its
     thresholds (0 at lower, 1 at upper; None when not given); ``withheld`` holds the best
-    strip when it fell under the threshold and nothing was quoted.
+    strip when it fell under the threshold, or when ``unnamed`` holds identifiers the question names and no
+    passage does (``answer_model.unnamed_identifiers``), and nothing was quoted.
     """
 
     quotes: List[Quote]
@@ -57,6 +59,7 @@ class QuotedAnswer:
     withheld: List[Quote] = field(default_factory=list)
     threshold: float = 0.0
     evidence: Optional[float] = None
+    unnamed: List[str] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -66,13 +69,23 @@ class QuotedAnswer:
         lines = [f'"{q.text}" ({q.source})' for q in self.quotes]
         return "\n".join([QUOTED_HEADER, *lines])
 
+    def why_withheld(self) -> str:
+        """Why the best strip was withheld, as the trace says it: the identifiers no passage names, else its
+        probability under the threshold."""
+        if self.unnamed:
+            return (
+                f"the passages do not name {', '.join(self.unnamed)}, which the question asks about, so the answer "
+                f"model's best strip ({self.grade:.3f}) answers something else"
+            )
+        return f"the answer model gives its best strip {self.grade:.3f}, under the quote threshold {self.threshold:.3f}"
+
     def to_list(self) -> List[Dict[str, Any]]:
         """The quotes as JSON-ready dicts (for the trace)."""
         return [asdict(q) for q in self.quotes]
 
     def check(self) -> Optional[Dict[str, Any]]:
         """The answer step's check for the trace: the best strip's probability, the threshold it needed at the
-        evidence's place, and what was withheld."""
+        evidence's place, the question's identifiers no passage names, and what was withheld."""
         if self.grade is None:
             return None
         return {
@@ -80,6 +93,7 @@ class QuotedAnswer:
             "threshold": self.threshold,
             "evidence_place": self.evidence,
             "passed": not self.withheld,
+            "unnamed": list(self.unnamed),
             "withheld": [asdict(q) for q in self.withheld],
         }
 
@@ -168,6 +182,7 @@ class EvidenceQuoter:
         features = answer_features(question, [f[0] for f in found], self.evidence)
         probabilities = self.model.probabilities(features)
         order = self.model.ranks(features, probabilities)
+        unnamed = unnamed_identifiers(question, [f[0] for f in found])
         ranked = sorted(range(len(found)), key=lambda i: -order[i])
         ranked = [i for i in ranked if not any(rule(question, found[i][0].text) for rule in self.rules)]
         if not ranked:
@@ -177,14 +192,16 @@ class EvidenceQuoter:
         for i in ranked:  # the ranker orders the strips; each quoted one must pass the threshold itself
             if len(chosen) == self.max_quotes:
                 break
-            if probabilities[i] >= threshold and found[i][0].text not in seen:
+            if not unnamed and probabilities[i] >= threshold and found[i][0].text not in seen:
                 seen.add(found[i][0].text)
                 chosen.append(i)
         strongest = max(ranked, key=lambda i: probabilities[i])
         best = round(float(probabilities[strongest]), 4)
         if not chosen:
             withheld = [_quote(found[strongest], probabilities[strongest])]
-            return QuotedAnswer([], grade=best, withheld=withheld, threshold=threshold, evidence=evidence)
+            return QuotedAnswer(
+                [], grade=best, withheld=withheld, threshold=threshold, evidence=evidence, unnamed=unnamed
+            )
         chosen.sort(key=lambda i: found[i][2:])
         quotes = [_quote(found[i], probabilities[i]) for i in chosen]
         return QuotedAnswer(quotes, grade=best, threshold=threshold, evidence=evidence)

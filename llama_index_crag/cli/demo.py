@@ -169,10 +169,14 @@ def _print_evidence(crag: dict) -> None:
         print("  the sources say:")
         _print_quotes(crag["quotes"])
     elif quote_check.get("passed") is False and quote_check.get("withheld"):
-        print(
-            f"  the sources say, weakly (the answer model gives this strip {quote_check['grade']:.3f}, under the "
-            f"quote threshold {quote_check['threshold']:.3f}):"
+        unnamed = quote_check.get("unnamed") or []
+        why = (
+            f"they do not name {', '.join(unnamed)}, which the question asks about"
+            if unnamed
+            else f"the answer model gives this strip {quote_check['grade']:.3f}, under the quote threshold "
+            f"{quote_check['threshold']:.3f}"
         )
+        print(f"  the sources say, weakly ({why}):")
         _print_quotes(quote_check["withheld"])
 
 

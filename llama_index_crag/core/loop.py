@@ -387,8 +387,8 @@ class Loop:
                     response = text_response(quoted.text, context, streaming, is_async)
                 elif quoted.withheld:
                     trace.abstain(
-                        f"no strip of the graded passages answers the question: the answer model gives the best one "
-                        f"{quoted.grade:.3f}, under the quote threshold {quoted.threshold:.3f}{_graded_at(trace)}"
+                        f"no strip of the graded passages answers the question: {quoted.why_withheld()}"
+                        f"{_graded_at(trace)}"
                     )
                 else:
                     trace.abstain("the graded passages hold no strip that may be quoted")
@@ -480,8 +480,7 @@ class Loop:
             return text_response(quoted.text, context, False, is_async)
         unsupported = ", ".join(check.unsupported[:5])
         withheld = (
-            f"; the answer model gives its best strip {quoted.grade:.3f}, under the quote threshold "
-            f"{quoted.threshold:.3f}, so they were not given instead"
+            f"; {quoted.why_withheld()}, so they were not given instead"
             if quoted.withheld and quoted.grade is not None
             else ""
         )

@@ -92,6 +92,11 @@ FIGURES_AND_CODES = re.compile(r"[\w-]*\d(?:[\w-]|\.\d)*")
 #: "EU-2", "v4.3.1", "4.3.1", "harbor.js"); the check wants each verbatim in a source. A plain number is a
 #: quantity (``QUANTITY``), compared as a number, not as a code.
 CODE = re.compile(r"(?<![\w.])(?:[A-Za-z]+[-_]?\d[\w.-]*|\d+(?:\.\d+){2,}|[a-z]\w*\.(?:js|py|json|yaml|yml|sh|io))\b")
+#: An identifier of software a question names: a word joined by underscores ("max_connections",
+#: "pg_stat_replication") or a long command-line option ("--strict-names"); no dictionary writes it another way.
+IDENTIFIER = re.compile(
+    r"(?<![\w'-])[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+(?![\w-])|(?<!\S)--[A-Za-z][\w-]*[A-Za-z0-9]"
+)
 #: A word that describes a code rather than belongs to it ("SF1-expressing neurons", "UCP1-dependent", "M2-like").
 CODE_SUFFIX = re.compile(
     r"-(?:(?:in)?dependent|expressing|like|induced|mediated|deficient|positive|negative|specific|related|associated"

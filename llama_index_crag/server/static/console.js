@@ -375,10 +375,14 @@
     const weak = beside && given.length === 0 && qc.passed === false ? qc.withheld || [] : [];
     const quotes = given.length ? given : weak;
     $("evidence").hidden = quotes.length === 0;
-    $("evidence-label").textContent = weak.length
-      ? "What the sources say, weakly: the answer model gives this strip " + Number(qc.grade).toFixed(3) +
-        ", under the quote threshold " + Number(qc.threshold).toFixed(3) + "; it may not answer the question:"
-      : "What the sources say:";
+    const unnamed = qc.unnamed || [];
+    $("evidence-label").textContent = !weak.length
+      ? "What the sources say:"
+      : unnamed.length
+        ? "What the sources say, weakly: they do not name " + unnamed.join(", ") +
+          ", which the question asks about; this strip may answer something else:"
+        : "What the sources say, weakly: the answer model gives this strip " + Number(qc.grade).toFixed(3) +
+          ", under the quote threshold " + Number(qc.threshold).toFixed(3) + "; it may not answer the question:";
     $("evidence").dataset.weak = weak.length ? "true" : "false";
     $("quotes").replaceChildren(...quotes.map((q) => el("li", { "data-testid": "quote", text: "\u201c" + q.text + "\u201d (" + q.source + ")" })));
   }
