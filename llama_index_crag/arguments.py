@@ -109,3 +109,19 @@ class RenamedOption(argparse.Action):
     ) -> None:
         print(f"{parser.prog}: {option_string} is deprecated: use {self.renamed_to}", file=sys.stderr)
         setattr(namespace, self.dest, values)
+
+
+def add_store_options(parser: argparse.ArgumentParser, store_help: str) -> None:
+    """``--index``, ``--store`` and ``--table``: what a command reads, an index folder or a PostgreSQL store
+    (``require_one_store`` checks that exactly one is given)."""
+    parser.add_argument("--index", default="", help="index folder written by llama-crag ingest")
+    parser.add_argument("--store", default=None, metavar="URL", help=store_help)
+    parser.add_argument("--table", default="crag", help="the store's name in PostgreSQL (with --store)")
+
+
+def require_one_store(args: argparse.Namespace, command: str) -> None:
+    """Refuse ``command`` unless exactly one of ``--index`` and ``--store`` is given."""
+    from llama_index_crag.errors import ConfigError
+
+    if bool(args.index) == bool(args.store):
+        raise ConfigError(f"{command} needs either --index INDEX_DIR or --store postgresql://...")

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from llama_index_crag.arguments import http_url
+from llama_index_crag.arguments import add_store_options, http_url, require_one_store
 from llama_index_crag.errors import ConfigError, CragError
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 
@@ -28,9 +28,7 @@ def add_parsers(commands: Any) -> None:
         "the sources (--json: one JSON object a line). Exits 1 when a question could not be answered at all.",
     )
     ask.add_argument("questions", nargs="*", metavar="QUESTION", help="questions (default: one a line on stdin)")
-    ask.add_argument("--index", default="", help="index folder written by llama-crag ingest")
-    ask.add_argument("--store", default=None, metavar="URL", help="a PostgreSQL store instead (ingest --store)")
-    ask.add_argument("--table", default="crag", help="the store's name in PostgreSQL (with --store)")
+    add_store_options(ask, "a PostgreSQL store instead (ingest --store)")
     ask.add_argument(
         "--filters",
         type=_filters,
@@ -71,8 +69,7 @@ def _filters(text: str) -> Dict[str, Any]:
 
 
 def _ask(args: argparse.Namespace) -> int:
-    if bool(args.index) == bool(args.store):
-        raise ConfigError("ask needs either --index INDEX_DIR or --store postgresql://...")
+    require_one_store(args, "ask")
     if args.llm != "llamacpp" and args.gguf:
         raise ConfigError("--gguf is for --llm llamacpp")
     engine = _engine(args)

@@ -6,7 +6,16 @@ import argparse
 import sys
 from typing import Any
 
-from llama_index_crag.arguments import LOG_LEVELS, RenamedOption, http_url, port, positive_int, seconds
+from llama_index_crag.arguments import (
+    LOG_LEVELS,
+    RenamedOption,
+    add_store_options,
+    http_url,
+    port,
+    positive_int,
+    require_one_store,
+    seconds,
+)
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.local.models import DEFAULT_OLLAMA_MODEL, DEFAULT_OLLAMA_URL
 from llama_index_crag.stores.metadata import metadata_pair
@@ -73,9 +82,7 @@ def add_parsers(commands: Any) -> None:
         "route but /healthz, or give --api-keys FILE for several keys, each with its caller's name and the metadata "
         "filters its queries are bounded to.",
     )
-    serve.add_argument("--index", default="", help="index folder written by llama-crag ingest")
-    serve.add_argument("--store", default=None, metavar="URL", help="serve a PostgreSQL store instead (ingest --store)")
-    serve.add_argument("--table", default="crag", help="the store's name in PostgreSQL (with --store)")
+    add_store_options(serve, "serve a PostgreSQL store instead (ingest --store)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (the default answers this machine only)")
     serve.add_argument("--port", type=port, default=8000, help="port to bind")
     serve.add_argument("--workers", type=positive_int, default=1, help="worker processes over the same index folder")
@@ -184,8 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
     require_extra()  # a missing package is a MissingDependency: main() prints it in one line
     from llama_index_crag.server.main import ServeOptions, serve
 
-    if bool(args.index) == bool(args.store):
-        raise ConfigError("serve needs either --index INDEX_DIR or --store postgresql://...")
+    require_one_store(args, "serve")
     serve(
         ServeOptions(
             index=args.index,
