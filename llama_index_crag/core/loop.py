@@ -682,14 +682,19 @@ def _checked(check: Io) -> Steps[AnswerCheck]:
     try:
         return (yield check)  # type: ignore[no-any-return]
     except Exception as exc:
-        return AnswerCheck("error", None, reason=f"the check failed: {type(exc).__name__}: {exc}")
+        return _check_failed(exc)
 
 
 def _checked_now(checker: GroundednessChecker, answer: str, evidence: List[str], question: str) -> AnswerCheck:
+    """``_checked`` run at once, where a streamed answer ends (no driver to yield to)."""
     try:
         return checker.check(answer, evidence, question)
     except Exception as exc:
-        return AnswerCheck("error", None, reason=f"the check failed: {type(exc).__name__}: {exc}")
+        return _check_failed(exc)
+
+
+def _check_failed(exc: Exception) -> AnswerCheck:
+    return AnswerCheck("error", None, reason=f"the check failed: {type(exc).__name__}: {exc}")
 
 
 def _in_scope(hits: List[NodeWithScore], fallback: BaseRetriever, scope: Scope) -> List[NodeWithScore]:
