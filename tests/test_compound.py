@@ -12,10 +12,12 @@ from typing import Any, Dict, List
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from llama_index.core.base.response.schema import Response
 from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.schema import NodeWithScore, TextNode
 
 from llama_index_crag import CorrectiveQueryEngine
-from llama_index_crag.core.compound import PART_KEY, PART_NOT_ANSWERED
+from llama_index_crag.core.compound import PART_KEY, PART_NOT_ANSWERED, keep_to_subject
 from llama_index_crag.datasets import SAMPLE_DIR
 from llama_index_crag.text.compound import split_question
 from tests.test_retriever import StepSpans
@@ -55,7 +57,9 @@ def test_and_inside_a_name_a_comparison_or_a_reference_back_is_not_split() -> No
     for question in [
         "Who founded Procter and Gamble?",
         "When was Pride and Prejudice first published?",
-        "Which is older, Harvard or Yale?",
+        "Is it better to be fast or slow?",  # a choice of words, not of named things
+        "Does a memory value of 1MB mean 1000 kB or 1024 kB?",  # no comma before the sides
+        "Which is older, Harvard or Yale, or Princeton or Brown?",  # two "or": not sure where the sides are
         "Did the war between England and France end in 1453?",
         "Who wrote Pride and Prejudice, and when was it published?",  # "it" needs the first part
         "whats the defualt work_mem",
@@ -64,6 +68,42 @@ def test_and_inside_a_name_a_comparison_or_a_reference_back_is_not_split() -> No
     ]:
         found = split_question(question)
         assert found.parts == [question] and not found.compound
+
+
+def test_a_comparison_of_named_things_is_split_one_part_a_side_with_its_frame() -> None:
+    for question, parts in [
+        ("Which is older, Harvard or Yale?", ["Which is older, Harvard?", "Which is older, Yale?"]),
+        (
+            "Which film was produced first, Babes in Toyland or America's Heart and Soul?",
+            [
+                "Which film was produced first, Babes in Toyland?",
+                "Which film was produced first, America's Heart and Soul?",
+            ],
+        ),
+        (
+            "Which is oldest, Harvard, Yale, or Princeton?",
+            ["Which is oldest, Harvard?", "Which is oldest, Yale?", "Which is oldest, Princeton?"],
+        ),
+        ("which is faster, COPY or INSERT", ["Which is faster, COPY?", "Which is faster, INSERT?"]),
+        (
+            "Which is older, Harvard or Yale, and who founded the Massachusetts Institute?",
+            ["Which is older, Harvard?", "Which is older, Yale?", "Who founded the Massachusetts Institute?"],
+        ),
+    ]:
+        assert split_question(question).parts == parts
+    mixed = split_question("Which is older, Harvard or Yale, and who founded the Massachusetts Institute?")
+    assert mixed.subjects == ["Harvard", "Yale", ""], "each side is the subject of its part"
+
+
+@given(
+    st.sampled_from(["Which is older", "Who was born first", "Which band formed later", "Which is larger"]),
+    st.lists(st.sampled_from(["Harvard", "Bob Monkhouse", "Pride and Prejudice", "EU-2", "pg_dump", "Q3 2023"]),
+             min_size=2, max_size=4, unique=True),
+)  # fmt: skip
+@settings(max_examples=60, deadline=None)
+def test_every_side_of_a_comparison_becomes_a_part(frame: str, sides: List[str]) -> None:
+    question = f"{frame}, {', '.join(sides[:-1])} or {sides[-1]}?"
+    assert split_question(question).parts == [f"{frame}, {side}?" for side in sides]
 
 
 def test_ten_coordinated_parts_are_capped_and_the_drop_is_counted() -> None:
@@ -140,7 +180,7 @@ def test_each_part_of_a_compound_question_is_answered_from_its_own_sources(
         mine = [n for n in response.source_nodes if n.node.metadata[PART_KEY] == part["part"]]
         assert [n.node.node_id for n in mine] == part["sources"]
         assert {n.node.metadata["doc_id"] for n in mine} & set(row["relevant_doc_ids"])
-    assert crag["split"] == {"parts": 2, "dropped": 0, "answered": 2} and not crag["abstained"]
+    assert crag["split"] == {"parts": 2, "dropped": 0, "answered": 2, "sides": []} and not crag["abstained"]
     assert [s.outcome for s in spans.steps if s.step == "part"] == ["correct", "correct"]
     # The index's own nodes are not marked.
     assert all(PART_KEY not in n.metadata for n in sample_index.docstore.docs.values())
@@ -160,6 +200,65 @@ def test_a_part_the_documents_do_not_answer_is_abstained_on_alone(
     assert PART_NOT_ANSWERED in str(response) and _holds(str(response), a["answers"])
     assert not response.metadata["crag"]["abstained"]
     assert {n.node.metadata[PART_KEY] for n in response.source_nodes} == {1}
+
+
+def test_each_side_of_a_comparison_is_quoted_from_its_own_release_notes(engine: CorrectiveQueryEngine) -> None:
+    response = engine.query("Which was released first, Harbor Lite 3.4 or Harbor Edge 2.0?")
+    crag = response.metadata["crag"]
+    lite, edge = crag["parts"]
+    assert lite["question"] == "Which was released first, Harbor Lite 3.4?"
+    assert not lite["abstained"] and "6 December 2023" in lite["answer"] and "11 October 2023" not in lite["answer"]
+    assert not edge["abstained"] and "11 October 2023" in edge["answer"] and "6 December 2023" not in edge["answer"]
+    docs = {
+        p: {n.node.metadata["doc_id"] for n in response.source_nodes if n.node.metadata[PART_KEY] == p} for p in (1, 2)
+    }
+    assert "harbor-021" in docs[1] and "harbor-022" in docs[2]
+    assert crag["split"]["sides"] == ["Harbor Lite 3.4", "Harbor Edge 2.0"]
+
+
+def test_a_side_the_documents_do_not_name_is_abstained_on_and_the_other_answered(
+    engine: CorrectiveQueryEngine,
+) -> None:
+    response = engine.query("Which was released first, Harbor Lite 3.4 or Harbor Nimbus?")
+    crag = response.metadata["crag"]
+    lite, nimbus = crag["parts"]
+    assert not lite["abstained"] and "6 December 2023" in lite["answer"]
+    assert nimbus["abstained"] and nimbus["answer"] == PART_NOT_ANSWERED and nimbus["sources"] == []
+    assert not crag["abstained"] and {n.node.metadata[PART_KEY] for n in response.source_nodes} == {1}
+
+
+def _answered(text: str, title: str) -> Any:
+    node = TextNode(text=text, metadata={"title": title})
+    crag = {
+        "abstained": False,
+        "answered_by": "extract",
+        "quotes": [{"text": text, "source": title, "node_id": node.node_id, "score": 0.9}],
+        "quote_check": {"passed": True, "withheld": []},
+    }
+    return Response(response=text, source_nodes=[NodeWithScore(node=node, score=0.9)], metadata={"crag": crag})
+
+
+def test_a_side_answered_from_a_page_that_never_names_it_is_withheld_with_its_quotes_in_the_trace() -> None:
+    split = split_question("Which is older, Harvard University or Yale University?")
+    assert split.subjects == ["Harvard University", "Yale University"]
+    # Yale's part answered from Harvard's page: "University" is shared by both sides, so it names neither.
+    wrong = _answered("Harvard University was founded in 1636.", "Harvard")
+    keep_to_subject(wrong, split, 1)
+    crag = wrong.metadata["crag"]
+    assert crag["abstained"] and crag["answered_by"] == "abstain" and crag["quotes"] == []
+    assert "do not name Yale University" in crag["abstain_reason"]
+    assert crag["quote_check"]["withheld"][0]["text"] == "Harvard University was founded in 1636."
+    for right, part in [
+        (_answered("Yale was founded in 1701.", "Yale"), 1),
+        (_answered("Founded 1636.", "Harvard"), 0),
+    ]:
+        keep_to_subject(right, split, part)
+        assert not right.metadata["crag"]["abstained"], "named in the text or in the title"
+    # A part that is a question of its own is never held to a side.
+    joined = split_question("When was the university founded, and who designed the cathedral?")
+    other = _answered("The cathedral was designed by Ada Vale.", "Cathedral")
+    keep_to_subject(other, joined, 1)
+    assert not other.metadata["crag"]["abstained"] and joined.subjects == []
 
 
 def test_no_part_answered_abstains_whole(engine: CorrectiveQueryEngine) -> None:

@@ -46,7 +46,7 @@ from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import outcome_of
 from llama_index_crag.answers.sources import shown
-from llama_index_crag.core.compound import combined
+from llama_index_crag.core.compound import combined, keep_to_subject
 from llama_index_crag.core.driver import Io, Steps, bind, check_when_streamed, left, text_response
 from llama_index_crag.core.fallback import OUTSIDE_SCOPE_KEY, SOURCE_KEY, FallbackRetriever, fallback_query
 from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
@@ -168,6 +168,7 @@ class Loop:
         for number, part in enumerate(split.parts, start=1):
             with step_span("part", part=number, parts=len(split.parts)) as span:
                 response = yield from whole.one(QueryBundle(part), is_async)
+                keep_to_subject(response, split, number - 1)
                 crag = (response.metadata or {}).get("crag") or {}
                 span.outcome = "abstained" if crag.get("abstained") else str(crag.get("action"))
             responses.append(response)

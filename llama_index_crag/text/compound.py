@@ -13,18 +13,24 @@ offline, by rules that only split when they are sure:
 - one question asking about two things with a repeated preposition ("the defaults for A and for B"): the stem
   is given to both.
 
+- a comparison of named things, "<question>, <A> or <B>?" ("Who was born first, Mikhail Kravchuk or Israel
+  Gelfand?", "Which is faster, COPY or INSERT?", a list "..., A, B or C?"): one part a side, the question's frame
+  given to each ("Who was born first, Mikhail Kravchuk?"), so that each side's fact is searched, graded and
+  quoted from its own passage; the reader compares them. Each side is short (at most ``MAX_SIDE_WORDS`` words)
+  and names something (a capitalised word, a figure or an identifier): "Is it better to be fast or slow?" is not
+  split, nor is a choice with no comma before its sides ("Does 1MB mean 1000 kB or 1024 kB?").
+
 ``and`` inside a name ("Procter and Gamble", "Pride and Prejudice") is never split: what follows is not a
 question. A later part that refers back ("..., and when was it published?") cannot be asked alone, so such a
-question is not split. Comparisons ("Which is older, X or Y?") are not split: their sides are answered together.
-A part left empty after splitting is dropped; at most ``max_parts`` parts are kept, and the split says how many
-were dropped.
+question is not split. A part left empty after splitting is dropped; at most ``max_parts`` parts are kept, and
+the split says how many were dropped.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Tuple
 
 #: The most parts a question is split into (a longer list is capped, and the split says so).
 MAX_PARTS = 4
@@ -56,6 +62,12 @@ MAX_SIDE_WORDS = 6
 _NAME = re.compile(r"(?<!^)\b[A-Z][\w-]*")
 #: A question word anywhere ("the price of oil was stable until when").
 _WH_ANYWHERE = re.compile(rf"\b{_WH}\b", re.IGNORECASE)
+#: Where the sides of a comparison are cut: ", " and a last " or " (", or ").
+_ALTERNATIVES = re.compile(r"\s*,\s*or\s+|\s+or\s+|\s*,\s*", re.IGNORECASE)
+#: A clause joined on, not a side of a comparison.
+_JOINED = re.compile(r"^(?:and|but|also|then)\b", re.IGNORECASE)
+#: What a side of a comparison must hold to name something: a capitalised word, a figure, an identifier.
+_NAMES_SOMETHING = re.compile(r"\b[A-Z]|\d|\w_\w")
 #: A request that asks on its own after ", and" ("..., and give the importance of alkaloids").
 _REQUEST = re.compile(r"^(?:describe|explain|list|name|give|define|summari[sz]e|compare|tell me)\b", re.IGNORECASE)
 
@@ -67,6 +79,13 @@ class Split:
     question: str
     parts: List[str] = field(default_factory=list)
     dropped: int = 0
+    #: Each part's subject: the side of a comparison it asks about ("Harvard"), "" for a part that is a question
+    #: of its own; empty when no part is a side.
+    subjects: List[str] = field(default_factory=list)
+
+    def subject(self, part: int) -> str:
+        """The side of a comparison part ``part`` (0-based) asks about, or ""."""
+        return self.subjects[part] if part < len(self.subjects) else ""
 
     @property
     def compound(self) -> bool:
@@ -76,15 +95,17 @@ class Split:
 def split_question(question: str, max_parts: int = MAX_PARTS) -> Split:
     """``question``'s parts when it asks several things (see the module), else itself alone."""
     text = " ".join(question.split())
-    parts: List[str] = []
+    found: List[Tuple[str, str]] = []
     for sentence in _sentences(text):
         for joined in _joined(sentence):
-            parts.extend(_repeated(joined))
-    parts = [p for p in (_tidy(p) for p in parts) if p]
-    if len(parts) < 2:
+            sides = _comparison(joined)
+            found.extend(sides if sides else [(part, "") for part in _repeated(joined)])
+    found = [(tidy, subject) for tidy, subject in ((_tidy(p), subject) for p, subject in found) if tidy]
+    if len(found) < 2:
         return Split(question, [question])
-    kept = parts[: max(1, max_parts)]
-    return Split(question, kept, len(parts) - len(kept))
+    kept = found[: max(1, max_parts)]
+    subjects = [subject for _, subject in kept] if any(subject for _, subject in kept) else []
+    return Split(question, [part for part, _ in kept], len(found) - len(kept), subjects)
 
 
 def _sentences(text: str) -> List[str]:
@@ -142,6 +163,32 @@ def _asks_apart(before: str, after: str, seam: str, asks: bool) -> bool:
 def _refers_back(part: str) -> bool:
     """A pronoun, and no name of the part's own for it to stand for."""
     return bool(_PRONOUN.search(part)) and not _NAME.search(part.strip())
+
+
+def _comparison(question: str) -> List[Tuple[str, str]]:
+    """ "Which is older, Harvard or Yale?" as ("Which is older, Harvard", "Harvard"), ("Which is older, Yale",
+    "Yale") (see the module); nothing when it is not a comparison."""
+    text = question.strip().rstrip("?").strip()
+    if not _QUESTION_START.match(text):
+        return []
+    for comma in (m.start() for m in re.finditer(",", text)):
+        frame, rest = text[:comma].strip(), text[comma + 1 :].strip()
+        if len(frame.split()) < MIN_PART_WORDS - 1 or len(re.findall(r"\bor\b", rest, re.IGNORECASE)) != 1:
+            continue
+        sides = _ALTERNATIVES.split(rest)
+        if not re.search(r"\bor\s+\S+$", rest, re.IGNORECASE) and len(sides) < 2:
+            continue
+        if len(sides) < 2 or any(len(side.split()) > MAX_SIDE_WORDS for side in sides):
+            continue
+        if all(_names_a_side(side) for side in sides):
+            return [(f"{frame}, {side.strip()}", side.strip()) for side in sides]
+    return []
+
+
+def _names_a_side(side: str) -> bool:
+    """Whether ``side`` of a comparison names one thing, not a clause ("and who founded MIT")."""
+    side = side.strip()
+    return bool(side and _NAMES_SOMETHING.search(side)) and not _WH_ANYWHERE.search(side) and not _JOINED.match(side)
 
 
 def _repeated(question: str) -> List[str]:
