@@ -44,6 +44,7 @@ QUESTIONS_ABOUT_GLOBEX = [
     "How do Globex staff sign in remotely?",
     "Which flights does the travel policy reimburse for long trips?",
     "What does Globex sell to governments?",
+    "Which company was founded first, Acme or Globex?",  # a comparison: one part a side, Globex's part too
 ]
 ACME_QUESTIONS = {
     "Who founded Acme?": "Jane Roe",
