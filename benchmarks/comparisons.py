@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from llama_index.core import Document, VectorStoreIndex  # noqa: E402
 
 from llama_index_crag import CorrectiveQueryEngine  # noqa: E402
+from llama_index_crag.evaluation.raw_docs import collapsed  # noqa: E402
 from llama_index_crag.local.models import default_embed_model  # noqa: E402
 
 PAIRS = ROOT.parent / "shared" / "datasets" / "train" / "pairs.jsonl"
@@ -75,17 +76,13 @@ def half_of(qid: str) -> str:
     return "design" if int(qid, 16) % 2 == 0 else "check"
 
 
-def flat(text: str) -> str:
-    return " ".join(text.split()).casefold()
-
-
 def quoted_docs(trace: Dict[str, Any], articles: Dict[str, str]) -> Set[str]:
     """Which of the comparison's ``articles`` (id: text) each quote comes from, by its text ("other": neither); a
     quote may come from a fallback's sentence window or from a copy of the article another comparison shares."""
     found = set()
     for quote in trace.get("quotes") or []:
-        text = flat(quote["text"])
-        found.add(next((name for name, article in articles.items() if text in flat(article)), "other"))
+        text = collapsed(quote["text"])
+        found.add(next((name for name, article in articles.items() if text in collapsed(article)), "other"))
     return found
 
 
