@@ -501,3 +501,51 @@ def test_the_answer_at_the_end_of_a_long_section_is_quoted(tmp_path: Path, embed
     assert not row["abstained"], row
     assert ANSWER in " ".join(row["answer"].split()), row
     assert row["sources"][0]["doc_id"] == "handbook.docx"
+
+
+#: A reference page as DocBook writes one: each setting or option an entry of a definition list.
+REFERENCE_PAGE = """<!DOCTYPE html><html><head><title>19.4. Resource Consumption</title></head><body>
+<h2 class="title">19.4. Resource Consumption</h2><h3 class="title">19.4.1. Memory</h3>
+<div class="variablelist"><dl class="variablelist">
+<dt id="guc-brine-buffers"><span class="term"><code class="varname">brine_buffers</code>
+(<code class="type">integer</code>)</span></dt>
+<dd><p>Sets the memory the brine tank uses. The default is 128 megabytes.</p>
+<div class="note"><h3 class="title">Note</h3><p>On small cellars, useful values are smaller.</p></div></dd>
+<dt><span class="term"><code class="option">-w</code><br/></span>
+<span class="term"><code class="option">--wait</code></span></dt>
+<dd><p>Wait for the turn to complete.</p></dd>
+<dt><span class="term"><code class="varname">rind_work_mem</code> (<code class="type">integer</code>)</span></dt>
+<dd><p>Sets the base memory for turning wheels. The default is four megabytes.</p></dd>
+</dl></div>
+<p>Raising these values needs a restart of the cellar daemon.</p>
+<h3 class="title">19.4.2. Disk</h3><p>Disk settings follow.</p></body></html>
+"""
+
+
+def test_each_entry_of_a_definition_list_is_a_heading_its_definition_is_chunked_under() -> None:
+    from llama_index.core import Document
+
+    from llama_index_crag.stores.chunking import chunk
+
+    page = html_text(REFERENCE_PAGE)
+    lines = page.text.splitlines()
+    entries = [line for line in lines if line.startswith("#")]
+    assert entries == [
+        "## 19.4. Resource Consumption",
+        "### 19.4.1. Memory",
+        "#### brine_buffers (integer)",  # inline elements joined as the sentence joins them
+        "##### Note",  # a heading inside a definition sits under its term
+        "#### -w --wait",  # the terms of one entry, one heading
+        "#### rind_work_mem (integer)",
+        "### 19.4.1. Memory",  # the text after the list goes back under the heading above it
+        "### 19.4.2. Disk",
+    ]
+    chunks = chunk([Document(text=page.text, id_="settings.html", metadata={"title": page.title})])
+    section = {c.get_content().splitlines()[-1]: c.metadata["section"] for c in chunks}
+    memory = "19.4. Resource Consumption > 19.4.1. Memory"
+    assert section["Sets the base memory for turning wheels. The default is four megabytes."] == (
+        f"{memory} > rind_work_mem (integer)"
+    )
+    assert section["Wait for the turn to complete."] == f"{memory} > -w --wait"
+    assert section["Raising these values needs a restart of the cellar daemon."] == memory
+    assert not any("four megabytes" in c.get_content() and "128 megabytes" in c.get_content() for c in chunks)

@@ -12,7 +12,9 @@ and preformatted text (code, command synopses) as it was laid out.
   body) without what only moves between pages: ``<nav>``, ``<aside>``, the site's ``<header>`` and
   ``<footer>``, navigation, banner and search landmarks, hidden elements, blocks whose class or id names
   navigation (``navheader``, ``breadcrumb``, ``sidebar``...), and lists or tables made mostly of links. The
-  title is the page's ``<title>`` (else its first ``<h1>``).
+  title is the page's ``<title>`` (else its first ``<h1>``). A definition list's terms are headings one level
+  below the headings above them (``#### work_mem (integer)``): a reference page's entries (settings, options,
+  functions) are chunked and quoted under their own names.
 - PDF: the text layer of each page (pypdf), its lines rejoined into paragraphs; the title from the document's
   information. An encrypted PDF opens when it needs no password; one with no text layer at all (a scan) is
   skipped: run OCR on it first.
@@ -140,6 +142,8 @@ _BLOCKS = {
 #: Links must be at least this share of a list's or table's letters for it to be navigation (two links or more).
 _LINK_SHARE = 0.7
 _LINE_BREAK = "\n"
+#: The longest definition-list term written as a heading (a longer one is a paragraph).
+_MAX_TERM = 150
 _ALNUM = re.compile(r"[^\W_]+")
 
 
@@ -239,6 +243,11 @@ class _Writer:
         self._line: List[str] = []
         self._tight = False  # the last block was a list item or table row
         self._prefix: List[str] = []  # list markers of the items being written, innermost last
+        self._headings: List[Tuple[int, str]] = []  # the path of headings above the text being written
+        self._level = 0  # the level of the last heading the page wrote (<h1> to <h6>)
+        self._terms = 0  # how deep in definition lists the writer is
+        self._term_at: Optional[int] = None  # the index in _parts of a term heading nothing has followed yet
+        self._reopen: Optional[Tuple[int, str]] = None  # the heading to write again after a definition list
 
     def text(self) -> str:
         self._flush()
@@ -247,8 +256,39 @@ class _Writer:
     def _emit(self, block: str, tight: bool = False) -> None:
         if not block:
             return
+        if self._reopen is not None:  # text after a definition list belongs to the heading above the list
+            level, title = self._reopen
+            self._reopen = None
+            self._heading(level, title)
         self._parts.append(("\n" if tight and self._tight else "\n\n", block))
         self._tight = tight
+        self._term_at = None
+
+    def _heading(self, level: int, title: str, term: bool = False) -> None:
+        """A heading line, and the path of headings it puts the text after it under."""
+        self._reopen = None
+        if term and self._term_at is not None:  # terms of one entry ("-F format", "--format=format") are one
+            level, before = self._headings[-1]
+            title = f"{before}, {title}"
+            self._parts[self._term_at] = (self._parts[self._term_at][0], "#" * level + " " + title)
+        else:
+            self._emit("#" * level + " " + title)
+        self._headings = [(lv, t) for lv, t in self._headings if lv < level] + [(level, title)]
+        self._term_at = len(self._parts) - 1 if term else None
+
+    def _definitions(self, tag: Any) -> None:
+        """A definition list: each term (``<dt>``) a heading one level below the headings above it, so that its
+        definition is chunked, searched and quoted under the term's name (a setting, an option, a function:
+        reference pages describe one in each entry). The text after the list goes back under the heading above."""
+        above = self._headings[-1] if self._headings else None
+        self._terms += 1
+        self.walk(tag)
+        self._flush()
+        self._terms -= 1
+        if self._headings and self._headings[-1] != above:
+            self._reopen = above
+            if above is None:
+                self._headings = []
 
     def _flush(self) -> None:
         raw = "".join(self._line)
@@ -279,7 +319,19 @@ class _Writer:
             name = child.name
             if name in _HEADINGS:
                 self._flush()
-                self._emit("#" * _HEADINGS[name] + " " + _inline(child) if _inline(child) else "")
+                if not _inline(child):
+                    continue
+                if self._terms and self._headings:  # a heading inside a definition ("Note") sits under its term
+                    self._heading(min(6, max(_HEADINGS[name], self._level + self._terms + 1)), _inline(child))
+                else:
+                    self._level = _HEADINGS[name]
+                    self._heading(self._level, _inline(child))
+            elif name == "dt" and self._terms and 0 < len(_joined_inline(child)) <= _MAX_TERM:
+                self._flush()
+                self._heading(min(6, self._level + self._terms), _joined_inline(child), term=True)
+            elif name == "dl":
+                self._flush()
+                self._definitions(child)
             elif name == "br":
                 self._line.append(_LINE_BREAK)
             elif name == "pre":
@@ -339,6 +391,14 @@ class _Writer:
 
 def _inline(tag: Any) -> str:
     return " ".join(tag.get_text(" ").split())
+
+
+def _joined_inline(tag: Any) -> str:
+    """A tag's text as a paragraph writes it: inline elements joined as the source joins them
+    ("shared_buffers (integer)", not "shared_buffers ( integer )"), a line break a space."""
+    for br in tag.find_all("br"):
+        br.replace_with(" ")
+    return " ".join(tag.get_text().split())
 
 
 def _preformatted(text: str) -> str:
