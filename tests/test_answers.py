@@ -29,10 +29,11 @@ from llama_index_crag.answers.answer_model import (
     answer_features,
     asked_names,
     evidence_place,
+    other_entry,
     packaged_answer_model,
     states_codes,
 )
-from llama_index_crag.answers.extract import QUOTED_HEADER, EvidenceQuoter
+from llama_index_crag.answers.extract import QUOTED_HEADER, EvidenceQuoter, shown
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode
@@ -50,6 +51,7 @@ from llama_index_crag.presets.structured_abstracts import (
 from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.text.patterns import IDENTIFIER
 from llama_index_crag.text.split import split_sentences
+from llama_index_crag.text.strips import Strip
 
 from .check_halves import check_half, scifact_sentences
 from .conftest import ALPHA, BETA, Answering, MarkerScorer, ScriptedLLM, make_engine
@@ -420,6 +422,7 @@ def test_under_the_threshold_nothing_is_quoted_and_the_best_strip_is_withheld() 
         "passed": False,
         "unnamed": [],
         "withheld": [asdict(strict.withheld[0])],
+        "set_aside": [],
     }
     loose = EvidenceQuoter(scorer, strip_min_tokens=3, answer_threshold=0.0, max_quotes=1).quote(
         "Who painted it?", nodes
@@ -1022,3 +1025,93 @@ def test_the_demo_says_a_withheld_strip_was_withheld_for_a_name_no_source_holds(
     said = capsys.readouterr().out
     assert "weakly (they do not name checkpoint_segments, which the question asks about)" in said
     assert "checkpoint_timeout" in said or "checkpoint_completion_target" in said
+
+
+def _entries(*entries: str) -> List[NodeWithScore]:
+    """Passages of a reference page as ingest chunks them: each entry under its term's heading."""
+    return [
+        NodeWithScore(node=TextNode(text=text, metadata={"title": "Automatic Vacuuming"}), score=0.9)
+        for text in entries
+    ]
+
+
+_FREEZE_MIN = (
+    "#### vacuum_freeze_min_age (integer)\n\nSpecifies the cutoff age that vacuum uses to freeze rows. The default "
+    "is 50 million transactions, at most half the value of autovacuum_freeze_max_age."
+)
+_FREEZE_MAX = (
+    "#### autovacuum_freeze_max_age (integer)\n\nSpecifies the maximum age a table reaches before a forced vacuum. "
+    "The default is 200 million transactions."
+)
+
+
+def test_a_strip_in_another_settings_entry_is_set_aside_even_where_it_names_the_setting_asked() -> None:
+    question = "What is the default value of autovacuum_freeze_max_age?"
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=[_FREEZE_MIN, _FREEZE_MAX]), strip_min_tokens=3, answer_threshold=0.0)
+    alone = quoter.quote(question, _entries(_FREEZE_MIN))
+    assert alone.quotes == [] and alone.set_aside, alone
+    assert alone.set_aside[0]["why"] == "it stands in the entry for vacuum_freeze_min_age (integer)"
+    assert "set aside (it stands in the entry for vacuum_freeze_min_age" in alone.why_withheld()
+    both = quoter.quote(question, _entries(_FREEZE_MIN, _FREEZE_MAX))
+    said = " ".join(q.text for q in both.quotes)
+    assert "200 million" in said and "50 million" not in said, both
+
+
+@pytest.mark.parametrize(
+    ("question", "entry", "other"),
+    [
+        ("What is the default value of autovacuum_freeze_max_age?", "vacuum_freeze_min_age (integer)", True),
+        ("What is the default value of autovacuum_freeze_max_age?", "autovacuum_freeze_max_age (integer)", False),
+        ("What does --no-owner do?", "-O --no-owner", False),
+        ("What does --no-owner do?", "-x --no-privileges --no-acl", True),
+        # a question about a program is answered in the entries of its options
+        ("If I run pg_ctl stop without -m, which mode is used?", "-m mode --mode=mode", False),
+        ("What is the default value of work_mem?", "19.4.1. Memory", False),  # a section's title names nothing
+        ("What is the default value of the brine buffers?", "vacuum_freeze_min_age (integer)", False),
+    ],
+)  # fmt: skip
+def test_the_entry_a_strip_stands_in_is_another_when_it_names_another_identifier_of_the_form_asked(
+    question: str, entry: str, other: bool
+) -> None:
+    candidate = Candidate("The default is 4MB.", "The default is 4MB.", f"Settings #### {entry}\n\nThe default is 4MB.")
+    assert (other_entry(question, candidate) == entry) is other
+
+
+def test_a_question_about_a_default_is_answered_by_the_strip_that_states_it() -> None:
+    page = (
+        "#### rind_work_mem (integer)\n\nSets the base memory that turning a wheel of cheese uses before it spills "
+        "to the cellar floor. The default is four megabytes."
+    )
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=[page]), strip_min_tokens=3, answer_threshold=0.0)
+    answer = quoter.quote("What is the default value of rind_work_mem?", _entries(page))
+    assert [q.text for q in answer.quotes] == ["The default is four megabytes."], answer
+    assert answer.set_aside and answer.set_aside[0]["why"] == "it states no default, which the question asks for"
+    # Asked for what it sets, the strip that states no default answers.
+    what = quoter.quote("What does rind_work_mem set?", _entries(page))
+    assert any("Sets the base memory" in q.text for q in what.quotes) and not what.set_aside
+
+
+def test_the_engine_abstains_on_a_neighbouring_entry_and_says_why() -> None:
+    page = TextNode(text=_FREEZE_MIN, metadata={"title": "Automatic Vacuuming"})
+    engine = make_engine(
+        MarkerScorer({"freeze": 0.95}), ScriptedLLM(), primary=[page], answer_mode="extract", quote_threshold=0.0
+    )
+    trace = crag(engine.query("What is the default value of autovacuum_freeze_max_age?"))
+    assert trace["action"] == "correct" and trace["abstained"] and trace["quotes"] == []
+    assert "it stands in the entry for vacuum_freeze_min_age (integer)" in trace["abstain_reason"]
+    assert any("50 million" in strip["text"] for strip in trace["quote_check"]["set_aside"])
+
+
+def test_a_quote_leaves_out_the_marks_of_its_headings_but_not_a_number_sign_in_a_sentence() -> None:
+    page = "#### rind_work_mem (integer)\n\nSets the base memory for turning wheels. The default is four megabytes."
+    chart = "The song peaked at # 3 on the cellar chart in 1968, and Grange # 1 sang it first."
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=[page, chart]), strip_min_tokens=3, answer_threshold=0.0)
+    heading = quoter.quote("What does rind_work_mem set?", _entries(page))
+    assert heading.quotes and not any("#" in q.text for q in heading.quotes), heading
+    assert heading.quotes[0].text.startswith("rind_work_mem (integer) Sets the base memory")
+    sign = quoter.quote("Where did the song peak on the cellar chart?", _entries(chart))
+    assert [q.text for q in sign.quotes] == [chart]
+    # A strip that begins inside a line ("no. # 242 ...") keeps its sign; one that opens a heading line loses it.
+    listed = "Historical Landmark Reference no. # 242 San Diego Historic Landmark."
+    assert shown(Strip("# 242 San Diego Historic Landmark."), listed) == "# 242 San Diego Historic Landmark."
+    assert shown(Strip("#### a_b (integer)\n\nSets x."), "#### a_b (integer)\n\nSets x.") == "a_b (integer) Sets x."

@@ -96,7 +96,7 @@ def test_the_quoter_reads_a_refined_strip_with_the_context_the_refiner_read_it_w
     # The answer model reads the strip as the refiner graded it, with its subject, and grades nothing again.
     assert len(scorer.seen) == read
     assert [q.text for q in quotes] == ["It spans 312 metres across the Lune estuary and carries the coast road."]
-    [(candidate, _, _, _)] = quoter.candidates(refined.nodes)
+    [(candidate, _, _, _, _)] = quoter.candidates(refined.nodes)
     assert candidate.graded_text.startswith("Kestrel Bridge") and candidate.text == quotes[0].text
     # What the refiner recorded for the quoter stays out of the generator's prompt and the embedding.
     node = refined.nodes[0].node

@@ -36,6 +36,7 @@ from llama_index_crag.text.patterns import (
     NAME,
     NOT_NAMES,
     NUMBER_RANGE,
+    STATED_DEFAULT,
     UNIT_GAP,
 )
 from llama_index_crag.text.strips import refers_back
@@ -152,6 +153,47 @@ def unnamed_identifiers(question: str, candidates: Sequence[Candidate]) -> List[
         return []
     context = " ".join(f"{c.said_before} {c.graded_text}" for c in candidates).casefold()
     return [i for i in identifiers if i.casefold() not in context]
+
+
+#: A Markdown heading line, as every reader writes headings and definition-list terms (``stores/readers.py``).
+#: The first line of what a passage said is its title, then its text: a heading there follows the title.
+_HEADING_LINE = re.compile(r"(?:^|(?<= ))#{1,6}[ \t]+(.+?)[ \t]*$", re.MULTILINE)
+
+
+def other_entry(question: str, candidate: Candidate) -> Optional[str]:
+    """The heading of the entry ``candidate`` stands in, when that entry is another identifier's than the ones
+    ``question`` names; else None.
+
+    Reference pages describe one setting, option or function an entry (a heading or a definition-list term:
+    "vacuum_freeze_min_age (integer)"), and the entries beside it read alike: "The default is 50 million
+    transactions." under vacuum_freeze_min_age is no answer to "autovacuum_freeze_max_age default value?", even
+    where it names autovacuum_freeze_max_age ("... half the value of autovacuum_freeze_max_age"). The entry is the
+    last heading of the passage up to the strip; one that names no identifier of a form the question names (a
+    section's title; an option's entry for a question about its program) says nothing."""
+    asked = [i.casefold() for i in IDENTIFIER.findall(question)]
+    headings = _HEADING_LINE.findall(candidate.said_before)
+    if not asked or not headings:
+        return None
+    entry = headings[-1]
+    forms = {_form(i) for i in asked}
+    named = [i for i in IDENTIFIER.findall(entry) if _form(i) in forms]
+    if not named or any(i in entry.casefold() for i in asked):
+        return None
+    return entry
+
+
+def _form(identifier: str) -> str:
+    """An identifier's form: a long option, or a name. A question that names a program ("pg_ctl") is answered in
+    the entries of its options ("-m mode --mode=mode"), which are not another program's."""
+    return "option" if identifier.startswith("--") else "name"
+
+
+def states_no_default(question: str, candidate: Candidate) -> bool:
+    """Whether ``question`` asks for a default ("What is the default value of work_mem?") and ``candidate``
+    states none: "autovacuum_vacuum_scale_factor (floating point) Specifies a fraction of the table size ..."
+    names the setting and answers something else. A default is stated in a few set ways (``STATED_DEFAULT``:
+    "The default is 0.2", "defaults to", "(default 100)", "... is the default", "... by default")."""
+    return asked_kinds(question) == frozenset({"default"}) and not STATED_DEFAULT.search(candidate.text)
 
 
 def leads(features: np.ndarray) -> np.ndarray:

@@ -7,6 +7,7 @@ not a stack of hand rules; nothing is generated.
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -17,7 +18,9 @@ from llama_index_crag.answers.answer_model import (
     Candidate,
     QuoteDecision,
     answer_features,
+    other_entry,
     packaged_answer_model,
+    states_no_default,
     unnamed_identifiers,
 )
 from llama_index_crag.answers.sources import source_name
@@ -60,6 +63,7 @@ class QuotedAnswer:
     threshold: float = 0.0
     evidence: Optional[float] = None
     unnamed: List[str] = field(default_factory=list)
+    set_aside: List[Dict[str, str]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -77,6 +81,8 @@ class QuotedAnswer:
                 f"the passages do not name {', '.join(self.unnamed)}, which the question asks about, so the answer "
                 f"model's best strip ({self.grade:.3f}) answers something else"
             )
+        if self.set_aside and not self.withheld:
+            return f"every strip that could answer was set aside ({self.set_aside[0]['why']})"
         return f"the answer model gives its best strip {self.grade:.3f}, under the quote threshold {self.threshold:.3f}"
 
     def to_list(self) -> List[Dict[str, Any]]:
@@ -86,7 +92,7 @@ class QuotedAnswer:
     def check(self) -> Optional[Dict[str, Any]]:
         """The answer step's check for the trace: the best strip's probability, the threshold it needed at the
         evidence's place, the question's identifiers no passage names, and what was withheld."""
-        if self.grade is None:
+        if self.grade is None and not self.set_aside:
             return None
         return {
             "grade": self.grade,
@@ -95,12 +101,43 @@ class QuotedAnswer:
             "passed": not self.withheld,
             "unnamed": list(self.unnamed),
             "withheld": [asdict(q) for q in self.withheld],
+            "set_aside": list(self.set_aside),
         }
 
 
 def quoted(strip: Strip) -> str:
-    """A strip as quoted: a sentence window on one line, a table or code block with its lines and indentation."""
+    """A strip as the answer model reads it: a sentence window on one line, a table or code block with its lines
+    and indentation."""
     return strip.text.strip() if strip.whole_block else " ".join(strip.text.split())
+
+
+def shown(strip: Strip, passage: str) -> str:
+    """A strip as quoted to the reader: ``quoted``, less the Markdown marks of the headings it holds ("wal_level
+    (enum) Sets ...", not "#### wal_level (enum) Sets ..."): marks that open a line of ``passage``, where the
+    readers write headings ("Grange # 1" and "# 242" inside a sentence stay)."""
+    if strip.whole_block:
+        return quoted(strip)
+    text = strip.text.strip()
+    start = passage.find(text[:80])
+    lines = text.split("\n")
+    opens_a_line = start == 0 or (start > 0 and passage[start - 1] == "\n")
+    kept = [_HEADING_MARKS.sub("", line) if i or opens_a_line else line for i, line in enumerate(lines)]
+    return " ".join(" ".join(kept).split())
+
+
+#: The marks that open a Markdown heading line ("#### "), which the readers write and nobody quotes.
+_HEADING_MARKS = re.compile(r"^[ \t]*#{1,6}[ \t]+")
+
+
+def set_aside_why(question: str, candidate: Candidate) -> Optional[str]:
+    """Why ``candidate`` cannot answer ``question`` whatever the answer model's probability, or None: it stands in
+    another identifier's entry (``other_entry``), or the question asks for a default it does not state."""
+    entry = other_entry(question, candidate)
+    if entry is not None:
+        return f"it stands in the entry for {entry}"
+    if states_no_default(question, candidate):
+        return "it states no default, which the question asks for"
+    return None
 
 
 class EvidenceQuoter:
@@ -149,8 +186,9 @@ class EvidenceQuoter:
             raise ConfigError(f"unknown quote preset {preset!r}: choose {', '.join(QUOTE_PRESETS)}")
         self.rules: Tuple[QuoteRule, ...] = QUOTE_PRESETS[preset] if preset else ()
 
-    def candidates(self, nodes: Sequence[NodeWithScore]) -> List[Tuple[Candidate, NodeWithScore, int, int]]:
-        """Every strip of ``nodes`` as the answer model reads it, with its node and its place (rank, position)."""
+    def candidates(self, nodes: Sequence[NodeWithScore]) -> List[Tuple[Candidate, NodeWithScore, int, int, str]]:
+        """Every strip of ``nodes`` as the answer model reads it, with its node, its place (rank, position) and
+        its text as quoted (``shown``)."""
         found = []
         for rank, node in enumerate(nodes):
             title = str(node.node.metadata.get("title") or "")
@@ -163,7 +201,8 @@ class EvidenceQuoter:
                     continue
                 start = whole.find(strip.text.strip()[:80])
                 said = whole if start < 0 else whole[: start + len(strip.text.strip())]
-                found.append((Candidate(text, strip.graded_text, f"{title} {said}"), node, rank, position))
+                candidate = Candidate(text, strip.graded_text, f"{title} {said}")
+                found.append((candidate, node, rank, position, shown(strip, whole)))
         return found
 
     def threshold(self, place: Optional[float] = None) -> float:
@@ -185,8 +224,11 @@ class EvidenceQuoter:
         unnamed = unnamed_identifiers(question, [f[0] for f in found])
         ranked = sorted(range(len(found)), key=lambda i: -order[i])
         ranked = [i for i in ranked if not any(rule(question, found[i][0].text) for rule in self.rules)]
+        why = {i: set_aside_why(question, found[i][0]) for i in ranked}
+        set_aside = [{"text": found[i][4], "why": w} for i, w in why.items() if w][:3]
+        ranked = [i for i in ranked if not why[i]]
         if not ranked:
-            return QuotedAnswer([], threshold=threshold, evidence=evidence)
+            return QuotedAnswer([], threshold=threshold, evidence=evidence, set_aside=set_aside)
         seen: set[str] = set()
         chosen: List[int] = []
         for i in ranked:  # the ranker orders the strips; each quoted one must pass the threshold itself
@@ -200,11 +242,17 @@ class EvidenceQuoter:
         if not chosen:
             withheld = [_quote(found[strongest], probabilities[strongest])]
             return QuotedAnswer(
-                [], grade=best, withheld=withheld, threshold=threshold, evidence=evidence, unnamed=unnamed
+                [],
+                grade=best,
+                withheld=withheld,
+                threshold=threshold,
+                evidence=evidence,
+                unnamed=unnamed,
+                set_aside=set_aside,
             )
-        chosen.sort(key=lambda i: found[i][2:])
+        chosen.sort(key=lambda i: found[i][2:4])
         quotes = [_quote(found[i], probabilities[i]) for i in chosen]
-        return QuotedAnswer(quotes, grade=best, threshold=threshold, evidence=evidence)
+        return QuotedAnswer(quotes, grade=best, threshold=threshold, evidence=evidence, set_aside=set_aside)
 
     async def aquote(
         self, question: str, nodes: Sequence[NodeWithScore], place: Optional[float] = None
@@ -213,11 +261,9 @@ class EvidenceQuoter:
         return await asyncio.to_thread(self.quote, question, nodes, place)
 
 
-def _quote(found: Tuple[Candidate, NodeWithScore, int, int], probability: float) -> Quote:
-    candidate, node = found[0], found[1]
-    return Quote(
-        text=candidate.text, source=source_name(node), node_id=node.node.node_id, score=round(float(probability), 4)
-    )
+def _quote(found: Tuple[Candidate, NodeWithScore, int, int, str], probability: float) -> Quote:
+    node = found[1]
+    return Quote(text=found[4], source=source_name(node), node_id=node.node.node_id, score=round(float(probability), 4))
 
 
 def _evidence_scorer(scorer: RelevanceScorer) -> EvidenceScorer:

@@ -391,6 +391,8 @@ class Loop:
                         f"no strip of the graded passages answers the question: {quoted.why_withheld()}"
                         f"{_graded_at(trace)}"
                     )
+                elif quoted.set_aside:
+                    trace.abstain(f"no strip of the graded passages answers the question: {quoted.why_withheld()}")
                 else:
                     trace.abstain("the graded passages hold no strip that may be quoted")
                 synthesize.on_end(payload={EventPayload.RESPONSE: response})
