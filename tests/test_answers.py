@@ -28,6 +28,7 @@ from llama_index_crag.answers.answer_model import (
     QuoteDecision,
     answer_features,
     asked_names,
+    entry_above,
     evidence_place,
     other_entry,
     packaged_answer_model,
@@ -1073,7 +1074,10 @@ def test_a_strip_in_another_settings_entry_is_set_aside_even_where_it_names_the_
 def test_the_entry_a_strip_stands_in_is_another_when_it_names_another_identifier_of_the_form_asked(
     question: str, entry: str, other: bool
 ) -> None:
-    candidate = Candidate("The default is 4MB.", "The default is 4MB.", f"Settings #### {entry}\n\nThe default is 4MB.")
+    said = f"#### {entry}\n\nThe default is 4MB."
+    candidate = Candidate(
+        "The default is 4MB.", "The default is 4MB.", f"Settings {said}", entry_above(said, len(said))
+    )
     assert (other_entry(question, candidate) == entry) is other
 
 
@@ -1115,3 +1119,8 @@ def test_a_quote_leaves_out_the_marks_of_its_headings_but_not_a_number_sign_in_a
     listed = "Historical Landmark Reference no. # 242 San Diego Historic Landmark."
     assert shown(Strip("# 242 San Diego Historic Landmark."), listed) == "# 242 San Diego Historic Landmark."
     assert shown(Strip("#### a_b (integer)\n\nSets x."), "#### a_b (integer)\n\nSets x.") == "a_b (integer) Sets x."
+    # Nor is "# 242" inside a sentence the heading of an entry.
+    assert (
+        entry_above(listed, len(listed)) == ""
+        and entry_above("Intro\n\n## a_b (integer)\nSets x.", 30) == "a_b (integer)"
+    )

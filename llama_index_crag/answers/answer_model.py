@@ -73,6 +73,9 @@ class Candidate:
     text: str
     graded_text: str
     said_before: str = ""
+    #: The last heading above the strip in its passage (a section's title, or a definition-list term as the
+    #: readers write it: "vacuum_freeze_min_age (integer)"); "" when none.
+    entry: str = ""
 
 
 def asked_names(question: str) -> List[str]:
@@ -156,8 +159,13 @@ def unnamed_identifiers(question: str, candidates: Sequence[Candidate]) -> List[
 
 
 #: A Markdown heading line, as every reader writes headings and definition-list terms (``stores/readers.py``).
-#: The first line of what a passage said is its title, then its text: a heading there follows the title.
-_HEADING_LINE = re.compile(r"(?:^|(?<= ))#{1,6}[ \t]+(.+?)[ \t]*$", re.MULTILINE)
+_HEADING_LINE = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*$", re.MULTILINE)
+
+
+def entry_above(passage: str, end: int) -> str:
+    """The last heading of ``passage`` that opens a line before ``end`` (its title, marks left out), or ""."""
+    headings = _HEADING_LINE.findall(passage[:end])
+    return headings[-1] if headings else ""
 
 
 def other_entry(question: str, candidate: Candidate) -> Optional[str]:
@@ -168,13 +176,12 @@ def other_entry(question: str, candidate: Candidate) -> Optional[str]:
     "vacuum_freeze_min_age (integer)"), and the entries beside it read alike: "The default is 50 million
     transactions." under vacuum_freeze_min_age is no answer to "autovacuum_freeze_max_age default value?", even
     where it names autovacuum_freeze_max_age ("... half the value of autovacuum_freeze_max_age"). The entry is the
-    last heading of the passage up to the strip; one that names no identifier of a form the question names (a
-    section's title; an option's entry for a question about its program) says nothing."""
+    last heading of the passage above the strip (``entry_above``); one that names no identifier of a form the
+    question names (a section's title; an option's entry for a question about its program) says nothing."""
     asked = [i.casefold() for i in IDENTIFIER.findall(question)]
-    headings = _HEADING_LINE.findall(candidate.said_before)
-    if not asked or not headings:
+    entry = candidate.entry
+    if not asked or not entry:
         return None
-    entry = headings[-1]
     forms = {_form(i) for i in asked}
     named = [i for i in IDENTIFIER.findall(entry) if _form(i) in forms]
     if not named or any(i in entry.casefold() for i in asked):

@@ -18,6 +18,7 @@ from llama_index_crag.answers.answer_model import (
     Candidate,
     QuoteDecision,
     answer_features,
+    entry_above,
     other_entry,
     packaged_answer_model,
     states_no_default,
@@ -201,7 +202,8 @@ class EvidenceQuoter:
                     continue
                 start = whole.find(strip.text.strip()[:80])
                 said = whole if start < 0 else whole[: start + len(strip.text.strip())]
-                candidate = Candidate(text, strip.graded_text, f"{title} {said}")
+                entry = entry_above(whole, len(said))
+                candidate = Candidate(text, strip.graded_text, f"{title} {said}", entry)
                 found.append((candidate, node, rank, position, shown(strip, whole)))
         return found
 
