@@ -247,11 +247,29 @@ def test_sentence_windows_return_the_sentence_with_its_neighbours(
 ) -> None:
     document = load_documents()[3]
     sentences = [s for s in document.text.split(". ") if len(s.split()) > 4]
-    hits = PostgresSentenceWindowRetriever(sample_store, embed_model, 2).retrieve(sentences[1])
+    hits = PostgresSentenceWindowRetriever(sample_store, embed_model, 2, widen_to="window").retrieve(sentences[1])
     assert len(hits) == 4
     best = hits[0].node.get_content()
     assert sentences[1] in best and len(best) > len(sentences[1]) + 20
     assert hits[0].node.metadata["doc_id"] == document.id_
+    with pytest.raises(ValueError, match="'chunk' or its 'window'"):
+        PostgresSentenceWindowRetriever(sample_store, embed_model, 2, widen_to="page")
+
+
+def test_sentence_hits_are_widened_to_their_chunks_with_the_vectors_the_store_holds(
+    sample_store: PostgresStore, embed_model: Any
+) -> None:
+    document = load_documents()[3]
+    sentence = [s for s in document.text.split(". ") if len(s.split()) > 4][1]
+    hits = PostgresSentenceWindowRetriever(sample_store, embed_model, 2).retrieve(sentence)
+    assert 1 <= len(hits) <= 2 and len({h.node.node_id for h in hits}) == len(hits)  # each chunk once
+    assert sentence in hits[0].node.get_content() and hits[0].node.metadata["doc_id"] == document.id_
+    chunks = {c.get_content(): c for c in chunk([document])}
+    stored = chunks[hits[0].node.get_content()]  # the chunk as ingest cut it, not a window
+    assert hits[0].node.node_id == stored.node_id
+    vector = np.asarray(hits[0].node.embedding)
+    expected = np.asarray(embed_model.get_text_embedding(stored.get_content(metadata_mode=MetadataMode.EMBED)))
+    assert vector.shape == expected.shape and float(vector @ expected) > 0.999  # the vector the store holds
 
 
 # --- the engine -----------------------------------------------------------------------------------------------
@@ -285,6 +303,19 @@ def test_grading_reuses_the_stored_embeddings_and_embeds_only_the_query(
     trace = engine.query("Who is the CEO of Harbor Analytics?").metadata["crag"]  # type: ignore[index]
     assert trace["action"] == "correct"
     assert counting._passages == [] and counting._queries == ["Who is the CEO of Harbor Analytics?"]
+
+
+def test_an_incorrect_correction_over_the_store_embeds_only_the_question(
+    sample_store: PostgresStore, embed_model: Any
+) -> None:
+    counting = CountingEmbedding(embed_model)
+    engine = engine_from_store(sample_store, ScriptedLLM(), embed_model=counting)
+    counting.reset()
+    question = "What colour is the roof of the Kestrel Bridge tollhouse?"
+    trace = engine.query(question).metadata["crag"]  # type: ignore[index]
+    assert trace["action"] == "incorrect" and "sentence_window" in trace["fallback_sources"], trace
+    # The fallback's sentence hits come back as chunks with their stored vectors: the regrade embeds no passage.
+    assert counting._passages == [] and counting._queries == [question], counting._passages[:3]
 
 
 def test_answering_reads_only_what_each_query_needs_never_a_whole_table(sample_store: PostgresStore) -> None:

@@ -614,10 +614,13 @@ def crowded_store(pg_url: str) -> Iterator[str]:  # noqa: F811
 def test_a_narrow_scope_still_gets_k_nearest_through_the_hnsw_index(crowded_store: str, iterative: bool) -> None:
     store = _IndexOnly(crowded_store, table="crowded", iterative=iterative)
     try:
-        for kind in (PostgresVectorRetriever, PostgresSentenceWindowRetriever):
-            retriever = kind(store, _HashEmbedding(), 5, scope=Scope.of({"tenant": "few"}))
+        few = Scope.of({"tenant": "few"})
+        for retriever, wanted in (
+            (PostgresVectorRetriever(store, _HashEmbedding(), 5, scope=few), 5),
+            (PostgresSentenceWindowRetriever(store, _HashEmbedding(), 5, scope=few), 5),  # chunks of 6 documents
+            (PostgresSentenceWindowRetriever(store, _HashEmbedding(), 5, scope=few, widen_to="window"), 10),
+        ):
             hits = retriever.retrieve("harbor report")
-            wanted = 5 if kind is PostgresVectorRetriever else 10
             assert len(hits) == wanted and {h.node.metadata["tenant"] for h in hits} == {"few"}
             assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
     finally:

@@ -53,7 +53,8 @@ def store_parts(
 
     Retrieval is pgvector's; the fallback is full-text search and sentence windows in
     PostgreSQL; grading reuses the stored embeddings and reads the IDF of the query's words only.
-    ``settings`` and ``calibration_path`` are the engine's, read here for ``similarity_top_k``.
+    ``settings`` and ``calibration_path`` are the engine's, read here for ``similarity_top_k`` and
+    ``fallback_widen``.
 
     ``scope`` (a ``Scope``, or anything ``scope.as_filters`` reads) bounds every retriever built here: each
     searches inside it in its SQL. A given ``retriever`` is the primary retriever as it is, never replaced;
@@ -74,25 +75,26 @@ def store_parts(
         # Word statistics are document frequencies over the whole store, whatever the scope: counts, no text.
         scorer, stored_idf = stored_scorer(store, embed_model, grader or os.environ.get("CRAG_GRADER") or None)
     given = {k: v for k, v in (settings or {}).items() if k in CragSettings.model_fields}
-    top_k = CragSettings.resolve(
+    resolved = CragSettings.resolve(
         given,
         calibration_path=calibration_path,
         scorer_name=scorer.name,
         scorer_defaults=scorer.default_thresholds,
-    ).similarity_top_k
+    )
+    top_k, widen = resolved.similarity_top_k, resolved.fallback_widen
     asked = None if scope is None else Scope.of(scope)
     fallback: BaseRetriever
     if retriever is None:
         bounds = asked or UNBOUNDED
         retriever = PostgresVectorRetriever(store, embed_model, top_k, scope=bounds)
-        fallback = store_fallback(store, embed_model, top_k, fallback_sources, scope=bounds)
+        fallback = store_fallback(store, embed_model, top_k, fallback_sources, scope=bounds, widen_to=widen)
     else:
         own = retriever_scope(retriever)
         if own is None and asked is None:
             fallback = FallbackRetriever({"primary": retriever}, similarity_top_k=top_k)
         else:
             bounds = (own or UNBOUNDED).narrow(asked)
-            fallback = store_fallback(store, embed_model, top_k, fallback_sources, scope=bounds)
+            fallback = store_fallback(store, embed_model, top_k, fallback_sources, scope=bounds, widen_to=widen)
     return StoreParts(
         store=store,
         embed_model=embed_model,
@@ -109,15 +111,19 @@ def store_fallback(
     similarity_top_k: int = 5,
     sources: Sequence[str] = ("fulltext", "sentence_window"),
     scope: Optional[Scope] = None,
+    widen_to: str = "chunk",
 ) -> BaseRetriever:
-    """The ``FallbackRetriever`` of the INCORRECT branch over the store: full-text search, then sentence windows,
-    each searching inside ``scope`` (default: the whole store)."""
+    """The ``FallbackRetriever`` of the INCORRECT branch over the store: full-text search, then sentence windows
+    (each sentence found widened ``widen_to`` its chunk or its window: ``fallback_widen``), each searching inside
+    ``scope`` (default: the whole store)."""
     built: Dict[str, BaseRetriever] = {}
     for source in sources:
         if source in ("fulltext", "bm25"):
             built[source] = PostgresFullTextRetriever(store, similarity_top_k, scope=scope)
         elif source == "sentence_window":
-            built[source] = PostgresSentenceWindowRetriever(store, embed_model, similarity_top_k, scope=scope)
+            built[source] = PostgresSentenceWindowRetriever(
+                store, embed_model, similarity_top_k, scope=scope, widen_to=widen_to
+            )
         else:
             raise ValueError(f"unknown fallback source {source!r}: use 'fulltext' or 'sentence_window'")
     return FallbackRetriever(built, similarity_top_k=similarity_top_k)

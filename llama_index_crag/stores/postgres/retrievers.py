@@ -149,22 +149,63 @@ class PostgresVectorRetriever(_EmbeddingRetriever):
 
 
 class PostgresSentenceWindowRetriever(_EmbeddingRetriever):
-    """Sentence-level dense retrieval in the windows table, each hit widened to its window of neighbours.
+    """Sentence-level dense retrieval in the windows table, each hit widened to the chunk that holds it, or to its
+    window of neighbours.
 
-    The PostgreSQL twin of ``fallback.SentenceWindowRetriever``: the same sentences,
-    embedded the same way at ingest, searched through an HNSW index; it returns twice
-    ``similarity_top_k`` windows, as the in-memory one does. A window carries its document's
-    metadata (ingest copies it), so ``scope`` filters windows as it filters chunks.
+    The PostgreSQL twin of ``stores.memory.SentenceWindowRetriever``: the same sentences, embedded the same way
+    at ingest, searched through an HNSW index (twice ``similarity_top_k`` sentences). ``widen_to="chunk"`` (small
+    to big, the default) returns the chunk that holds each sentence found, each chunk once at its best sentence's
+    rank, at most ``similarity_top_k``, with the vector the store holds for it, so that grading it embeds nothing
+    at query time; ``"window"`` returns each sentence's window (a text nobody embedded, embedded when graded). A
+    window carries its document's metadata (ingest copies it), so ``scope`` filters windows as it filters chunks,
+    and the chunks read back are filtered by it too.
     """
 
     _table = "windows"
 
+    def __init__(
+        self,
+        store: PostgresStore,
+        embed_model: BaseEmbedding,
+        similarity_top_k: int,
+        scope: Optional[Scope] = None,
+        callback_manager: Optional[CallbackManager] = None,
+        widen_to: str = "chunk",
+    ) -> None:
+        if widen_to not in ("chunk", "window"):
+            raise ValueError(f"widen_to={widen_to!r}: a sentence hit is widened to its 'chunk' or its 'window'")
+        self._widen_to = widen_to
+        super().__init__(store, embed_model, similarity_top_k, scope, callback_manager)
+
+    def _set_scope(self, scope: Scope) -> None:
+        super()._set_scope(scope)
+        self._chunks_where = scope_sql(scope, "chunks")
+
     def _retrieve(self, query_bundle: QueryBundle) -> List[NodeWithScore]:
-        rows = self._nearest("window_text, metadata_", self._query_vector(query_bundle), 2 * self._top_k)
-        return [
-            NodeWithScore(node=TextNode(text=text, metadata=dict(metadata or {})), score=float(score))
-            for text, metadata, score in rows
-        ]
+        vector = self._query_vector(query_bundle)
+        if self._widen_to == "window":
+            rows = self._nearest("window_text, metadata_", vector, 2 * self._top_k)
+            return [
+                NodeWithScore(node=TextNode(text=text, metadata=dict(metadata or {})), score=float(score))
+                for text, metadata, score in rows
+            ]
+        best: Dict[str, float] = {}  # each chunk at its best sentence's rank (the rows come best first)
+        for node_id, score in self._nearest("node_id", vector, 2 * self._top_k):
+            best.setdefault(node_id, float(score))
+        if not best:
+            return []
+        where = self._chunks_where
+        query = sql.SQL(
+            f"SELECT node_id, text, metadata_, embedding FROM {self._store.name('chunks')} "
+            "WHERE node_id = ANY(%(q_ids)s) AND {where}"
+        ).format(where=where.clause)
+        with self._store.connection() as conn:
+            found = conn.execute(
+                query, {**where.params, "q_ids": list(best)}, prepare=False if where.bounded else None
+            ).fetchall()
+        by_id = {node_id: (text, metadata, embedding) for node_id, text, metadata, embedding in found}
+        ranked = [(*by_id[node_id], score) for node_id, score in best.items() if node_id in by_id]
+        return _hits(ranked[: self._top_k])
 
 
 class PostgresFullTextRetriever(_StoreRetriever):

@@ -289,6 +289,8 @@ class PostgresStore:
                 GENERATED ALWAYS AS (to_tsvector('{cfg}', text)) STORED""",
             f"CREATE INDEX IF NOT EXISTS {short}_idx ON {chunks} USING gin (text_search_tsv)",
             f"CREATE INDEX IF NOT EXISTS {short}_idx_1 ON {chunks} ((metadata_->>'ref_doc_id'))",
+            # The fallback reads the chunks that hold the sentences it found by their node ids (small to big).
+            f"CREATE INDEX IF NOT EXISTS {short}_node_id ON {chunks} (node_id)",
             f"CREATE INDEX IF NOT EXISTS {self.vector_index('chunks', precision)} ON {chunks} {hnsw}",
             f"""CREATE TABLE IF NOT EXISTS {windows} (
                 id BIGSERIAL PRIMARY KEY, ref_doc_id VARCHAR NOT NULL, node_id VARCHAR NOT NULL,
