@@ -717,7 +717,8 @@ def test_extract_never_gives_withheld_quotes_and_says_why_it_abstained() -> None
     assert "failed its check" in trace["abstain_reason"]
     grade = trace["quote_check"]["grade"]
     assert (
-        f"the answer model gives its best strip {grade:.3f}, under the quote threshold 1.000" in trace["abstain_reason"]
+        f"; no quotes were given instead: the answer model gives its best strip {grade:.3f}, under the quote "
+        "threshold 1.000" in trace["abstain_reason"]
     )
 
 

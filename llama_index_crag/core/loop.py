@@ -483,8 +483,8 @@ class Loop:
             return text_response(quoted.text, context, False, is_async)
         unsupported = ", ".join(check.unsupported[:5])
         withheld = (
-            f"; {quoted.why_withheld()}, so they were not given instead"
-            if quoted.withheld and quoted.grade is not None
+            f"; no quotes were given instead: {quoted.why_withheld()}"
+            if (quoted.withheld and quoted.grade is not None) or quoted.set_aside
             else ""
         )
         trace.abstain(
