@@ -1121,7 +1121,8 @@ def test_a_quote_leaves_out_the_marks_of_its_headings_but_not_a_number_sign_in_a
     assert shown(Strip("# 242 San Diego Historic Landmark."), listed) == "# 242 San Diego Historic Landmark."
     assert shown(Strip("#### a_b (integer)\n\nSets x."), "#### a_b (integer)\n\nSets x.") == "a_b (integer) Sets x."
     # Nor is "# 242" inside a sentence the heading of an entry.
-    assert (
-        entry_above(listed, len(listed)) == ""
-        and entry_above("Intro\n\n## a_b (integer)\nSets x.", 30) == "a_b (integer)"
-    )
+    assert entry_above(listed, len(listed)) == ""
+    assert entry_above("Intro\n\n## a_b (integer)\n\nSets x.", 30) == "a_b (integer)"
+    # Nor is a comment line of a script: a heading stands between blank lines, as the readers write it.
+    script = "#### work_mem (integer)\n\nRaise it for reports:\n\n# raise max_wal_size too\nSET work_mem = '64MB';"
+    assert entry_above(script, len(script)) == "work_mem (integer)"

@@ -159,13 +159,25 @@ def unnamed_identifiers(question: str, candidates: Sequence[Candidate]) -> List[
 
 
 #: A Markdown heading line, as every reader writes headings and definition-list terms (``stores/readers.py``).
-_HEADING_LINE = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*$", re.MULTILINE)
+_HEADING_LINE = re.compile(r"#{1,6}[ \t]+(.+?)[ \t]*")
 
 
 def entry_above(passage: str, end: int) -> str:
-    """The last heading of ``passage`` that opens a line before ``end`` (its title, marks left out), or ""."""
-    headings = _HEADING_LINE.findall(passage[:end])
-    return headings[-1] if headings else ""
+    """The last heading of ``passage`` before ``end`` (its title, marks left out), or "".
+
+    A heading is a line of its own between blank lines (or the passage's edges), as the readers write it and the
+    chunker reads it; a comment line of a script or a configuration file ("# TYPE  DATABASE ...", a "# raise
+    work_mem here" above a command) is not one."""
+    lines = passage.split("\n")
+    found, at = "", 0
+    for i, line in enumerate(lines):
+        if at >= end:
+            break
+        at += len(line) + 1
+        heading = _HEADING_LINE.fullmatch(line)
+        if heading and (i == 0 or not lines[i - 1].strip()) and (i + 1 == len(lines) or not lines[i + 1].strip()):
+            found = heading.group(1)
+    return found
 
 
 def other_entry(question: str, candidate: Candidate) -> Optional[str]:

@@ -106,6 +106,7 @@ _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
 )
 
 
+@lru_cache(maxsize=4096)
 def asked_kinds(question: str) -> Optional[FrozenSet[str]]:
     """The kinds of answer the question asks for ("how long does it last" asks for a duration), or None.
 
