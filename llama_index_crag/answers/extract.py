@@ -55,7 +55,8 @@ class QuotedAnswer:
     given ``evidence``, where the grader's grade of the passages sat between its
     thresholds (0 at lower, 1 at upper; None when not given); ``withheld`` holds the best
     strip when it fell under the threshold, or when ``unnamed`` holds identifiers the question names and no
-    passage does (``answer_model.unnamed_identifiers``), and nothing was quoted.
+    passage does (``answer_model.unnamed_identifiers``), and nothing was quoted; ``set_aside`` up to three strips
+    that could not answer whatever their probability (``set_aside_why``), each with ``text`` and ``why``.
     """
 
     quotes: List[Quote]
@@ -92,7 +93,7 @@ class QuotedAnswer:
 
     def check(self) -> Optional[Dict[str, Any]]:
         """The answer step's check for the trace: the best strip's probability, the threshold it needed at the
-        evidence's place, the question's identifiers no passage names, and what was withheld."""
+        evidence's place, the question's identifiers no passage names, what was withheld and what set aside."""
         if self.grade is None and not self.set_aside:
             return None
         return {
