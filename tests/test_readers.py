@@ -513,7 +513,10 @@ REFERENCE_PAGE = """<!DOCTYPE html><html><head><title>19.4. Resource Consumption
 <div class="note"><h3 class="title">Note</h3><p>On small cellars, useful values are smaller.</p></div></dd>
 <dt><span class="term"><code class="option">-w</code><br/></span>
 <span class="term"><code class="option">--wait</code></span></dt>
-<dd><p>Wait for the turn to complete.</p></dd>
+<dd><p>Wait for the turn to complete. The mode can be one of the following:</p>
+<div class="variablelist"><dl class="variablelist">
+<dt><span class="term">g<br/></span><span class="term">gentle</span></dt>
+<dd><p>Turn slowly (the default).</p></dd></dl></div></dd>
 <dt><span class="term"><code class="varname">rind_work_mem</code> (<code class="type">integer</code>)</span></dt>
 <dd><p>Sets the base memory for turning wheels. The default is four megabytes.</p></dd>
 </dl></div>
@@ -546,6 +549,8 @@ def test_each_entry_of_a_definition_list_is_a_heading_its_definition_is_chunked_
     assert section["Sets the base memory for turning wheels. The default is four megabytes."] == (
         f"{memory} > rind_work_mem (integer)"
     )
-    assert section["Wait for the turn to complete."] == f"{memory} > -w --wait"
+    # A definition list inside a definition (an option's values) stays in its entry, not an entry of its own.
+    assert section["Turn slowly (the default)."] == f"{memory} > -w --wait"
+    assert "gentle" in page.text and "# g" not in page.text
     assert section["Raising these values needs a restart of the cellar daemon."] == memory
     assert not any("four megabytes" in c.get_content() and "128 megabytes" in c.get_content() for c in chunks)

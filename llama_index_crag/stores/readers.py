@@ -14,7 +14,8 @@ and preformatted text (code, command synopses) as it was laid out.
   navigation (``navheader``, ``breadcrumb``, ``sidebar``...), and lists or tables made mostly of links. The
   title is the page's ``<title>`` (else its first ``<h1>``). A definition list's terms are headings one level
   below the headings above them (``#### work_mem (integer)``): a reference page's entries (settings, options,
-  functions) are chunked and quoted under their own names.
+  functions) are chunked and quoted under their own names; a list inside a definition (an option's values) stays
+  in its entry's text.
 - PDF: the text layer of each page (pypdf), its lines rejoined into paragraphs; the title from the document's
   information. An encrypted PDF opens when it needs no password; one with no text layer at all (a scan) is
   skipped: run OCR on it first.
@@ -279,7 +280,9 @@ class _Writer:
     def _definitions(self, tag: Any) -> None:
         """A definition list: each term (``<dt>``) a heading one level below the headings above it, so that its
         definition is chunked, searched and quoted under the term's name (a setting, an option, a function:
-        reference pages describe one in each entry). The text after the list goes back under the heading above."""
+        reference pages describe one in each entry). The text after the list goes back under the heading above. The
+        terms of a list inside a definition (an option's values, a function's parameters) are not headings: they
+        stay in their entry's text, which would otherwise be cut into a chunk a value."""
         above = self._headings[-1] if self._headings else None
         self._terms += 1
         self.walk(tag)
@@ -326,7 +329,7 @@ class _Writer:
                 else:
                     self._level = _HEADINGS[name]
                     self._heading(self._level, _inline(child))
-            elif name == "dt" and self._terms and 0 < len(_joined_inline(child)) <= _MAX_TERM:
+            elif name == "dt" and self._terms == 1 and 0 < len(_joined_inline(child)) <= _MAX_TERM:
                 self._flush()
                 self._heading(min(6, self._level + self._terms), _joined_inline(child), term=True)
             elif name == "dl":
