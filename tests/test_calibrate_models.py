@@ -105,6 +105,37 @@ def test_calibrate_index_stores_a_calibration_the_engine_over_the_index_grades_w
     )
 
 
+def test_reset_takes_the_index_back_to_the_shipped_thresholds_the_note_after_the_fit_names(
+    index_dir: Path,
+    ingested: Path,
+    embed_model: Any,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CRAG_CALIBRATION", raising=False)
+    shipped = load_engine(load_index(ingested, embed_model), llm=None).grader
+    assert main(["calibrate", "--index", str(index_dir), "--synthetic", SYNTHETIC, "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    reset = f"llama-crag calibrate --index {index_dir} --reset"
+    assert "ships with a calibration fitted on human-written questions" in said and reset in said
+    fitted = load_engine(load_index(index_dir, embed_model), llm=None).grader
+    assert (fitted.upper, fitted.lower) != (shipped.upper, shipped.lower)
+
+    assert main(reset.split()[1:]) == 0
+    assert "Removed calibration.json" in capsys.readouterr().out
+    assert not (index_dir / "calibration.json").exists()
+    assert json.loads((index_dir / "manifest.json").read_text())["calibration"] is None
+    engine = load_engine(load_index(index_dir, embed_model), llm=None)
+    assert (engine.grader.upper, engine.grader.lower) == (shipped.upper, shipped.lower)
+    assert engine.grader.scorer.weights.tolist() == shipped.scorer.weights.tolist()  # type: ignore[attr-defined]
+    assert "shipped for the bundled all-MiniLM-L6-v2" in check_calibration(str(index_dir)).detail  # doctor
+
+    assert main(reset.split()[1:]) == 0  # again: nothing to forget, said so
+    assert "holds no calibration" in capsys.readouterr().out
+    assert main([*reset.split()[1:], "--synthetic", SYNTHETIC]) != 0
+    assert "--reset fits nothing" in capsys.readouterr().err
+
+
 def test_calibrate_index_with_out_writes_there_and_leaves_the_index_as_it_was(index_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "elsewhere.json"
     args = ["calibrate", "--index", str(index_dir), "--synthetic", SYNTHETIC, "--out", str(out), "--no-progress"]
@@ -209,7 +240,7 @@ def test_an_index_embedded_with_another_model_is_updated_calibrated_and_asked_wi
 
         assert main(["calibrate", "--index", str(index_dir), "--synthetic", SYNTHETIC, "--no-progress"]) == 0
         assert check_calibration(str(index_dir)).status == "ok"
-        capsys.readouterr()
+        assert "ships with a calibration" not in capsys.readouterr().out  # no shipped one to go back to
         assert main(["ask", "--index", str(index_dir), "--json", "Who founded Harbor Analytics?"]) == 0
         answer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert answer["question"] == "Who founded Harbor Analytics?" and "abstained" in answer, answer

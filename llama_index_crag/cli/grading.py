@@ -62,6 +62,12 @@ def add_parsers(commands: Any) -> None:
         help="where to write the calibration file (default: calibration.json); with --index and no --out, into the "
         "index folder, where the engine over it finds it",
     )
+    calibrate.add_argument(
+        "--reset",
+        action="store_true",
+        help="with --index: forget the calibration stored in the index, so that the engine over it grades with the "
+        "scorer's shipped thresholds again",
+    )
     calibrate.set_defaults(run=_calibrate)
 
     train = commands.add_parser(
@@ -252,6 +258,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     if args.out and Path(args.out).is_dir():  # found before the fit, not when its result is written
         raise ConfigError(f"--out {args.out} is a folder: name the calibration file to write")
+    if args.reset:
+        return _reset_index_calibration(args)
     if args.index:
         return _calibrate_index(args)
     out = Path(args.out or "calibration.json")
@@ -277,6 +285,7 @@ def _calibrate_index(args: argparse.Namespace) -> int:
     from llama_index_crag.calibration.calibrate import calibrate_index
     from llama_index_crag.core.persisted import index_scorer
     from llama_index_crag.local.models import load_embed_model
+    from llama_index_crag.scorers.bi_encoder import BUNDLED_MODEL_NAME
     from llama_index_crag.scorers.registry import check_spec, from_spec
     from llama_index_crag.settings_sources import same_embed_model
     from llama_index_crag.stores.folder import CALIBRATION, index_embed_model, load_index, record_calibration
@@ -318,6 +327,30 @@ def _calibrate_index(args: argparse.Namespace) -> int:
     _report_calibration(data, out)
     if into_index:
         print(f"Stored with the index: the engine over {args.index} (llama-crag serve --index, load_engine) uses it.")
+    if data.get("embed_model") == BUNDLED_MODEL_NAME:  # the file names the bundled model so, however loaded
+        print(
+            f"Note: {BUNDLED_MODEL_NAME} ships with a calibration fitted on human-written questions. Questions made "
+            "from your chunks copy their words and fit stricter thresholds, which abstain on questions phrased as "
+            "people phrase them (on a manual's pages, most answerable ones: docs/grading.md, \"On a manual's "
+            'pages"). Measure both on questions of your own (llama-crag eval-docs --index); to go back: llama-crag '
+            f"calibrate --index {args.index} --reset"
+        )
+    return 0
+
+
+def _reset_index_calibration(args: argparse.Namespace) -> int:
+    """``calibrate --index DIR --reset``: the index forgets its stored calibration."""
+    from llama_index_crag.stores.folder import forget_calibration
+
+    if not args.index:
+        raise ConfigError("--reset forgets an index folder's calibration: name it with --index INDEX_DIR")
+    if args.dataset or args.synthetic is not None or args.out or args.scorer or args.embed_model:
+        raise ConfigError("--reset fits nothing: give it --index INDEX_DIR alone")
+    forgotten = forget_calibration(args.index)
+    if forgotten:
+        print(f"Removed {forgotten} from {args.index}: the engine over it grades with the scorer's shipped thresholds.")
+    else:
+        print(f"{args.index} holds no calibration: the engine over it grades with the scorer's shipped thresholds.")
     return 0
 
 

@@ -661,6 +661,21 @@ def record_calibration(index_dir: Path | str) -> None:
     _write_json(Path(index_dir) / MANIFEST, manifest)
 
 
+def forget_calibration(index_dir: Path | str) -> Optional[str]:
+    """Remove the calibration stored in an index folder (``calibrate --index``, or ``ingest --calibration``) and
+    unname it in the manifest, so that ``load_engine`` grades with the scorer's shipped thresholds; the file's name,
+    or None when the folder held none."""
+    folder = Path(index_dir)
+    manifest = _manifest(folder)
+    name = manifest.get("calibration")
+    manifest["calibration"] = None
+    manifest.pop("calibrated_documents", None)
+    _write_json(folder / MANIFEST, manifest)  # unnamed first: a folder is never left naming a file that is gone
+    if name:
+        (folder / str(name)).unlink(missing_ok=True)
+    return str(name) if name else None
+
+
 def calibration_drift(manifest: Mapping[str, Any]) -> Optional[int]:
     """How many documents were added, changed or removed since the index's stored calibration was fitted on it
     (``calibrate --index``); None when no calibration was fitted on the index."""
