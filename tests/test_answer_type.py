@@ -122,6 +122,10 @@ def test_the_kind_a_question_asks_is_the_kind_of_its_own_answer_far_more_often_t
         "What is the default value of work_mem?",
         "whats the defualt work_mem",
         "autovacuum_freeze_max_age default value?",
+        # what a program does when an option is left out is its default
+        "If I run pg_ctl stop without -m, which shutdown mode is used?",
+        "Which output format does pg_dump write when no -F is given?",
+        "What does the dump hold without the --format option?",
     ],
 )
 def test_a_setting_mentioned_with_default_but_no_stated_default_does_not_answer_a_default_question(
@@ -310,3 +314,17 @@ def test_the_explanation_says_what_turns_the_question_round() -> None:
     lower = "Antibody production is lower in winter than in summer."
     higher = scorer.explain("When is antibody production higher?", [lower])[0]
     assert higher["turned_round"] == 'the question says "higher", its passage says "lower"'
+
+
+@pytest.mark.parametrize(
+    "question",
+    [
+        "What happens without sleep?",  # no option: a word
+        "Who wrote it without help?",
+        "How far is Rio de Janeiro from Sao Paulo without traffic?",
+        "Which hyphen-minus rules apply when no dash is given?",
+        "What is the e-mail address of the support desk?",
+    ],
+)
+def test_leaving_out_something_that_is_not_an_option_asks_no_default(question: str) -> None:
+    assert asked_kinds(question) != frozenset({"default"})

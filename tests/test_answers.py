@@ -1096,6 +1096,20 @@ def test_a_question_about_a_default_is_answered_by_the_strip_that_states_it() ->
     assert any("Sets the base memory" in q.text for q in what.quotes) and not what.set_aside
 
 
+def test_a_question_about_an_option_left_out_is_answered_by_the_strip_that_states_the_default() -> None:
+    # The option's entry describes it first; what applies without it is the sentence that states the default.
+    page = (
+        "#### -m mode --mode=mode\n\nSpecifies the ripening mode of the press. mode can be slow, fast or cold, or "
+        "the first letter of one of these three. If this option is omitted, fast is the default."
+    )
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=[page]), strip_min_tokens=3, answer_threshold=0.0)
+    answer = quoter.quote("If I run the press without -m, which ripening mode is used?", _entries(page))
+    assert [q.text for q in answer.quotes] == ["If this option is omitted, fast is the default."], answer
+    assert [s["why"] for s in answer.set_aside] == ["it states no default, which the question asks for"] * len(
+        answer.set_aside
+    ) and answer.set_aside
+
+
 def test_the_engine_abstains_on_a_neighbouring_entry_and_says_why() -> None:
     page = TextNode(text=_FREEZE_MIN, metadata={"title": "Automatic Vacuuming"})
     engine = make_engine(

@@ -67,15 +67,22 @@ _ASKING_WHEN = (
 #: to check: such a question asks for no kind that a passage must hold.
 _UNTIL_WHEN = r"\b(?:until|till|til) when\b"
 
+#: A command-line option as a question names it: "-m", "--format", "-F".
+_OPTION = r"(?<!\S)--?[A-Za-z][\w-]*"
+
 #: (question pattern, the kinds of answer that satisfy it), the first match wins; no kinds: none can be checked.
 _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), frozenset(kinds.split()))
     for pattern, kinds in (
         # "What is the default value of work_mem?", "whats the defualt work_mem", "autovacuum_freeze_max_age default
-        # value?": a manual's question about a setting's default is answered where the text states it.
+        # value?": a manual's question about a setting's default is answered where the text states it. So is one
+        # about what a program does when an option is left out ("pg_ctl stop without -m", "when no -F is given"):
+        # the option's entry says "If this option is omitted, fast is the default."
         (
             r"\bwhat(?:'s|s)?\s+(?:is\s+|are\s+|was\s+)?(?:the\s+)?(?:defaults?|defualt)\b"
-            r"|\bdefaults?\s+(?:values?|settings?)\s*(?:of|for)\b|\bdefault\s+values?\W*$",
+            r"|\bdefaults?\s+(?:values?|settings?)\s*(?:of|for)\b|\bdefault\s+values?\W*$"
+            rf"|\b(?:without|omitting)\s+(?:the\s+)?{_OPTION}|\b(?:when|if)\s+no\s+{_OPTION}(?:\s+option)?\s+is\s+"
+            r"(?:given|specified|set|passed|used)\b",
             "default",
         ),
         (
