@@ -40,6 +40,7 @@ from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.calibration.answer_training import swapped
 from llama_index_crag.cli import main
+from llama_index_crag.core.fallback import FallbackRetriever
 from llama_index_crag.core.loop import evidence_grade
 from llama_index_crag.datasets import Question, load_documents, load_questions
 from llama_index_crag.errors import ConfigError
@@ -424,6 +425,7 @@ def test_under_the_threshold_nothing_is_quoted_and_the_best_strip_is_withheld() 
         "unnamed": [],
         "withheld": [asdict(strict.withheld[0])],
         "set_aside": [],
+        "elsewhere": [],
     }
     loose = EvidenceQuoter(scorer, strip_min_tokens=3, answer_threshold=0.0, max_quotes=1).quote(
         "Who painted it?", nodes
@@ -1119,6 +1121,46 @@ def test_the_engine_abstains_on_a_neighbouring_entry_and_says_why() -> None:
     assert trace["action"] == "correct" and trace["abstained"] and trace["quotes"] == []
     assert "it stands in the entry for vacuum_freeze_min_age (integer)" in trace["abstain_reason"]
     assert any("50 million" in strip["text"] for strip in trace["quote_check"]["set_aside"])
+
+
+def test_the_engine_searches_for_the_asked_entry_by_name_when_it_retrieved_only_a_neighbour() -> None:
+    # Retrieval found the neighbouring entry (it names the asked setting); the fallback holds the asked one's own.
+    neighbour = TextNode(text=_FREEZE_MIN, id_="freeze-min", metadata={"title": "Automatic Vacuuming"})
+    own = TextNode(text=_FREEZE_MAX, id_="freeze-max", metadata={"title": "Automatic Vacuuming"})
+    elsewhere = TextNode(text="The orchard holds a harvest fair every October.", id_="fair")
+    fallback = FallbackRetriever.from_nodes([neighbour, own, elsewhere], sources=("bm25",), similarity_top_k=2)
+    engine = make_engine(
+        MarkerScorer({"freeze": 0.95}),
+        ScriptedLLM(),
+        primary=[neighbour],
+        fallback=fallback,
+        answer_mode="extract",
+        quote_threshold=0.0,
+    )
+    response = engine.query("What is the default value of autovacuum_freeze_max_age?")
+    trace = crag(response)
+    assert trace["action"] == "correct" and not trace["abstained"], trace["abstain_reason"]
+    assert trace["entry_search"] == "autovacuum_freeze_max_age"
+    said = " ".join(q["text"] for q in trace["quotes"])
+    assert "200 million" in said and "50 million" not in said, said
+    assert {q["node_id"] for q in trace["quotes"]} == {"freeze-max"}
+    assert "fair" not in {n.node.node_id for n in response.source_nodes}
+
+    # Where the fallback has no such entry, the abstention stands and says that the search was made.
+    bare = make_engine(
+        MarkerScorer({"freeze": 0.95}),
+        ScriptedLLM(),
+        primary=[neighbour],
+        fallback=FallbackRetriever.from_nodes([elsewhere], sources=("bm25",), similarity_top_k=2),
+        answer_mode="extract",
+        quote_threshold=0.0,
+    )
+    trace = crag(bare.query("What is the default value of autovacuum_freeze_max_age?"))
+    assert trace["abstained"] and trace["entry_search"] == "autovacuum_freeze_max_age"
+    assert "a search for autovacuum_freeze_max_age by name did not answer it either" in trace["abstain_reason"]
+    # A question that names no identifier is never searched for by name.
+    trace = crag(engine.query("What does vacuum freeze?"))
+    assert trace["entry_search"] is None
 
 
 def test_a_quote_leaves_out_the_marks_of_its_headings_but_not_a_number_sign_in_a_sentence() -> None:

@@ -30,6 +30,7 @@ from llama_index_crag.presets import QUOTE_PRESETS, QuoteRule
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import bi_encoder_of
 from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.text.patterns import IDENTIFIER
 from llama_index_crag.text.strips import Strip, decompose, kept_strips
 
 #: The line that opens every quoted answer, so that nobody reads it as generated text.
@@ -56,7 +57,10 @@ class QuotedAnswer:
     thresholds (0 at lower, 1 at upper; None when not given); ``withheld`` holds the best
     strip when it fell under the threshold, or when ``unnamed`` holds identifiers the question names and no
     passage does (``answer_model.unnamed_identifiers``), and nothing was quoted; ``set_aside`` up to three strips
-    that could not answer whatever their probability (``set_aside_why``), each with ``text`` and ``why``.
+    that could not answer whatever their probability (``set_aside_why``), each with ``text`` and ``why``;
+    ``elsewhere`` the identifiers the question names when nothing was quoted and a strip was set aside for standing
+    in another identifier's entry: the passages are the asked one's neighbours, and its own entry is to be searched
+    for by name.
     """
 
     quotes: List[Quote]
@@ -66,6 +70,7 @@ class QuotedAnswer:
     evidence: Optional[float] = None
     unnamed: List[str] = field(default_factory=list)
     set_aside: List[Dict[str, str]] = field(default_factory=list)
+    elsewhere: List[str] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -104,6 +109,7 @@ class QuotedAnswer:
             "unnamed": list(self.unnamed),
             "withheld": [asdict(q) for q in self.withheld],
             "set_aside": list(self.set_aside),
+            "elsewhere": list(self.elsewhere),
         }
 
 
@@ -131,12 +137,16 @@ def shown(strip: Strip, passage: str) -> str:
 _HEADING_MARKS = re.compile(r"^[ \t]*#{1,6}[ \t]+")
 
 
+#: Why a strip of another identifier's entry is set aside (``set_aside_why``), before the entry's name.
+IN_ANOTHER_ENTRY = "it stands in the entry for "
+
+
 def set_aside_why(question: str, candidate: Candidate) -> Optional[str]:
     """Why ``candidate`` cannot answer ``question`` whatever the answer model's probability, or None: it stands in
     another identifier's entry (``other_entry``), or the question asks for a default it does not state."""
     entry = other_entry(question, candidate)
     if entry is not None:
-        return f"it stands in the entry for {entry}"
+        return IN_ANOTHER_ENTRY + entry
     if states_no_default(question, candidate):
         return "it states no default, which the question asks for"
     return None
@@ -229,9 +239,14 @@ class EvidenceQuoter:
         ranked = [i for i in ranked if not any(rule(question, found[i][0].text) for rule in self.rules)]
         why = {i: set_aside_why(question, found[i][0]) for i in ranked}
         set_aside = [{"text": found[i][4], "why": w} for i, w in why.items() if w][:3]
+        elsewhere = (
+            list(dict.fromkeys(IDENTIFIER.findall(question)))
+            if any(w and w.startswith(IN_ANOTHER_ENTRY) for w in why.values())
+            else []
+        )
         ranked = [i for i in ranked if not why[i]]
         if not ranked:
-            return QuotedAnswer([], threshold=threshold, evidence=evidence, set_aside=set_aside)
+            return QuotedAnswer([], threshold=threshold, evidence=evidence, set_aside=set_aside, elsewhere=elsewhere)
         seen: set[str] = set()
         chosen: List[int] = []
         for i in ranked:  # the ranker orders the strips; each quoted one must pass the threshold itself
@@ -252,6 +267,7 @@ class EvidenceQuoter:
                 evidence=evidence,
                 unnamed=unnamed,
                 set_aside=set_aside,
+                elsewhere=elsewhere,
             )
         chosen.sort(key=lambda i: found[i][2:4])
         quotes = [_quote(found[i], probabilities[i]) for i in chosen]

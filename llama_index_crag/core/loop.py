@@ -383,16 +383,24 @@ class Loop:
                 CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_bundle.query_str}
             ) as synthesize:
                 quoted = yield from self.quote(query_bundle, context, trace)
+                if not quoted.quotes and quoted.elsewhere and self.fallback is not None:
+                    found = yield from self.search_entry(query_bundle, quoted.elsewhere, trace)
+                    if found:
+                        context = found
+                        quoted = yield from self.quote(query_bundle, context, trace, trace.retry_score)
                 if quoted.quotes:
                     trace.answered_by = "extract"
                     response = text_response(quoted.text, context, streaming, is_async)
                 elif quoted.withheld:
                     trace.abstain(
                         f"no strip of the graded passages answers the question: {quoted.why_withheld()}"
-                        f"{_graded_at(trace)}"
+                        f"{_graded_at(trace)}{_searched_by_name(trace)}"
                     )
                 elif quoted.set_aside:
-                    trace.abstain(f"no strip of the graded passages answers the question: {quoted.why_withheld()}")
+                    trace.abstain(
+                        f"no strip of the graded passages answers the question: {quoted.why_withheld()}"
+                        f"{_searched_by_name(trace)}"
+                    )
                 else:
                     trace.abstain("the graded passages hold no strip that may be quoted")
                 synthesize.on_end(payload={EventPayload.RESPONSE: response})
@@ -412,12 +420,35 @@ class Loop:
         dispatcher.event(trace.action_event())
         return response
 
-    def quote(self, query_bundle: QueryBundle, context: List[NodeWithScore], trace: CragTrace) -> Steps[QuotedAnswer]:
-        """The best strips of the evidence, quoted with their sources (recorded in the trace)."""
+    def search_entry(self, query_bundle: QueryBundle, names: List[str], trace: CragTrace) -> Steps[List[NodeWithScore]]:
+        """Every strip that could answer stood in another identifier's entry: the passages retrieved are the asked
+        one's neighbours on a reference page. Search the fallback for the asked identifiers by name (its word
+        sources find the entry that bears it; its dense ones read the question), graded against the question; []
+        when nothing clears ``lower`` or the search fails, and the abstention stands."""
+        trace.entry_search = " ".join(names)
+        deadline, graded = time.monotonic() + self.settings.correction_timeout_s, trace.retry_score
+        try:
+            found = yield from self.search_fallback(query_bundle, trace.entry_search, deadline, trace)
+        except Exception as exc:  # a time-out included: the abstention stands, and says why
+            trace.fallback_error = f"{type(exc).__name__}: {exc}"
+            found = []
+        if not found:
+            trace.retry_score = graded  # the evidence answered from is still the one graded before
+        return found
+
+    def quote(
+        self,
+        query_bundle: QueryBundle,
+        context: List[NodeWithScore],
+        trace: CragTrace,
+        grade: Optional[float] = None,
+    ) -> Steps[QuotedAnswer]:
+        """The best strips of the evidence, quoted with their sources (recorded in the trace); ``grade`` is the
+        grader's grade of ``context`` when it is not the one the action says (``evidence_grade``)."""
         quoter = self._answering().quoter
-        place = evidence_place(
-            evidence_grade(trace.action, trace.top_score, trace.retry_score), trace.upper, trace.lower
-        )
+        if grade is None:
+            grade = evidence_grade(trace.action, trace.top_score, trace.retry_score)
+        place = evidence_place(grade, trace.upper, trace.lower)
         quoted = yield from step(
             trace,
             "quote",
@@ -732,6 +763,11 @@ def _graded_at(trace: CragTrace) -> str:
     """What the quote threshold was set by, for an abstention's reason: the grade of the evidence."""
     grade = evidence_grade(trace.action, trace.top_score, trace.retry_score)
     return "" if grade is None else f" for evidence graded {grade:.3f}"
+
+
+def _searched_by_name(trace: CragTrace) -> str:
+    """For an abstention's reason: that the entry of the asked identifier was searched for too."""
+    return "" if trace.entry_search is None else f"; a search for {trace.entry_search} by name did not answer it either"
 
 
 def _say_broadened(response: RESPONSE_TYPE, keys: List[str]) -> None:

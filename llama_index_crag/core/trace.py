@@ -162,6 +162,9 @@ class CragTrace:
     #: Each web search of the fallback: provider, the exact query sent, pages fetched and refused (see WebReport).
     web: List[Dict[str, Any]] = field(default_factory=list)
     retry_score: Optional[float] = None
+    #: The identifiers the engine searched the fallback for by name, when every strip that could answer stood in
+    #: another identifier's entry (the retrieved passages were the asked one's neighbours); None when it did not.
+    entry_search: Optional[str] = None
     #: The caller's scope (its metadata filters as JSON), None when unbounded.
     scope: Optional[Dict[str, Any]] = None
     #: The filter keys the opt-in broadening fallback relaxed to find the evidence answered from (``broaden=``).
