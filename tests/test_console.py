@@ -394,6 +394,50 @@ def test_quotes_withheld_beside_a_flagged_answer_are_shown_as_weak_evidence(brow
         assert len(quotes) == len(check["withheld"]) and all(w["text"] in q for w, q in zip(check["withheld"], quotes))
 
 
+#: Two entries of a settings page: retrieval finds the neighbour, which names the asked setting.
+FREEZE_MIN = (
+    "#### vacuum_freeze_min_age (integer)\n\nSpecifies the cutoff age that vacuum uses to freeze rows. The default "
+    "is 50 million transactions, at most half the value of autovacuum_freeze_max_age."
+)
+FREEZE_MAX = (
+    "#### autovacuum_freeze_max_age (integer)\n\nSpecifies the maximum age a table reaches before a forced vacuum. "
+    "The default is 200 million transactions."
+)
+
+
+def test_a_search_for_the_asked_entry_by_name_is_shown_in_the_correction(browser: WebDriver) -> None:
+    from llama_index.core.schema import TextNode
+
+    from llama_index_crag.core.fallback import FallbackRetriever
+    from tests.conftest import FixedRetriever, MarkerScorer
+
+    neighbour = TextNode(text=FREEZE_MIN, id_="freeze-min", metadata={"title": "Automatic Vacuuming"})
+    own = TextNode(text=FREEZE_MAX, id_="freeze-max", metadata={"title": "Automatic Vacuuming"})
+    engine = CorrectiveQueryEngine.from_defaults(
+        retriever=FixedRetriever([neighbour]),
+        fallback=FallbackRetriever.from_nodes([neighbour, own], sources=("bm25",), similarity_top_k=2),
+        scorer=MarkerScorer({"freeze": 0.95}),
+        llm=None,
+        upper=0.7,
+        lower=0.3,
+        answer_mode="extract",
+        quote_threshold=0.0,
+    )
+    with LiveServer(create_app(engine)) as live:
+        open_console(browser, live.url)
+        result = stored(live, ask(browser, "What is the default value of autovacuum_freeze_max_age?"))
+        crag = result["crag"]
+        assert crag["entry_search"] == "autovacuum_freeze_max_age" and not result["abstained"]
+        assert browser.find_element(By.ID, "correction").is_displayed()
+        shown = browser.find_element(By.ID, "entry-search")
+        assert shown.is_displayed() and text(browser, shown) == crag["entry_search"]
+        said = text(browser, browser.find_element(By.ID, "answer"))
+        assert "200 million" in said and "50 million" not in said, said
+        # A query that searched nothing by name shows no such row.
+        ask(browser, "What does vacuum freeze?")
+        assert not browser.find_element(By.ID, "entry-search").is_displayed()
+
+
 def test_a_guarded_server_asks_for_the_key_then_answers(browser: WebDriver, engine: Any) -> None:
     with LiveServer(create_app(engine, ServerConfig(api_key="k"))) as guarded:
         open_console(browser, guarded.url)

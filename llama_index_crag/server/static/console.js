@@ -407,7 +407,9 @@
     $("strips").replaceChildren(...strips.map(stripRow));
     const fallback = crag.fallback_sources || [];
     const web = crag.web || [];
-    $("correction").hidden = !crag.rewritten_query && fallback.length === 0 && web.length === 0;
+    $("correction").hidden = !crag.rewritten_query && !crag.entry_search && fallback.length === 0 && web.length === 0;
+    $("entry-search-label").hidden = $("entry-search").hidden = !crag.entry_search;
+    $("entry-search").textContent = crag.entry_search || "";
     $("web").hidden = web.length === 0;
     $("web-searches").replaceChildren(...web.map(webRow));
     $("rewritten-query").textContent = crag.rewritten_query || "(not rewritten)";
