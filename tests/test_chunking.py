@@ -23,6 +23,7 @@ from llama_index_crag.scorers.bi_encoder import LONG_WARNING_START, BiEncoderSco
 from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.stores.chunking import SECTION, chunk, splitter
 from llama_index_crag.stores.folder import ingest, load_index
+from llama_index_crag.text.headings import MAX_HEADING_CHARS, heading
 
 FILLER = (
     "The northern archive keeps the staff records of building {i} in grey boxes on the second floor, and the "
@@ -260,3 +261,23 @@ def test_a_reingest_under_another_chunker_cuts_every_unchanged_document_again(
     # Asked again with the same chunker, nothing is cut again.
     again = ingest(docs, index, embed_model=embed_model, warm_fallback=False)
     assert again.unchanged == 2 and not again.updated and not any("chunker" in n for n in again.notes)
+
+
+@pytest.mark.parametrize(
+    ("line", "before", "after", "read"),
+    [
+        ("## 19.4. Resource Consumption", None, "", (2, "19.4. Resource Consumption")),
+        ("#### work_mem (integer) ####", "", None, (4, "work_mem (integer)")),  # closing marks are no title
+        ("### -m mode   --mode=mode\r", "", "", (3, "-m mode --mode=mode")),  # a CRLF file's line
+        ("# raise work_mem for reports", "", "SET work_mem = '64MB';", None),  # a script's comment above a command
+        ("# TYPE  DATABASE  USER  ADDRESS  METHOD", "local all all trust", "", None),
+        ("#hashtag", None, None, None),  # no space after the marks
+        ("####### seven marks", None, None, None),
+        ("# " + "a" * MAX_HEADING_CHARS, None, None, None),  # a paragraph, not a title
+    ],
+)
+def test_a_heading_is_a_markdown_heading_line_alone_between_blank_lines(
+    line: str, before: Any, after: Any, read: Any
+) -> None:
+    # One rule for the chunker's sections and the answer step's entries (answers.answer_model.entry_above).
+    assert heading(line, before, after) == read

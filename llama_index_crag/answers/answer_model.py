@@ -29,6 +29,7 @@ import numpy as np
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers.answer_type import asked_kinds, asks, holds_kind
 from llama_index_crag.scorers.evidence import WORD_FEATURES, EvidenceScorer
+from llama_index_crag.text.headings import heading
 from llama_index_crag.text.patterns import (
     CODE_SUFFIX,
     FIGURES_AND_CODES,
@@ -158,25 +159,17 @@ def unnamed_identifiers(question: str, candidates: Sequence[Candidate]) -> List[
     return [i for i in identifiers if i.casefold() not in context]
 
 
-#: A Markdown heading line, as every reader writes headings and definition-list terms (``stores/readers.py``).
-_HEADING_LINE = re.compile(r"#{1,6}[ \t]+(.+?)[ \t]*")
-
-
 def entry_above(passage: str, end: int) -> str:
-    """The last heading of ``passage`` before ``end`` (its title, marks left out), or "".
-
-    A heading is a line of its own between blank lines (or the passage's edges), as the readers write it and the
-    chunker reads it; a comment line of a script or a configuration file ("# TYPE  DATABASE ...", a "# raise
-    work_mem here" above a command) is not one."""
+    """The last heading of ``passage`` before ``end`` (its title, marks left out), or "": a heading as the chunker
+    reads it (``text.headings.heading``), so that a comment line of a script is no entry here either."""
     lines = passage.split("\n")
     found, at = "", 0
     for i, line in enumerate(lines):
         if at >= end:
             break
         at += len(line) + 1
-        heading = _HEADING_LINE.fullmatch(line)
-        if heading and (i == 0 or not lines[i - 1].strip()) and (i + 1 == len(lines) or not lines[i + 1].strip()):
-            found = heading.group(1)
+        title = heading(line, lines[i - 1] if i else None, lines[i + 1] if i + 1 < len(lines) else None)
+        found = title[1] if title else found
     return found
 
 

@@ -36,6 +36,7 @@ from llama_index.core.node_parser.node_utils import build_nodes_from_splits
 from llama_index.core.schema import BaseNode, Document, MetadataMode, TextNode
 
 from llama_index_crag.scorers.bi_encoder import EmbeddingWindow, embedding_window
+from llama_index_crag.text.headings import heading
 from llama_index_crag.text.split import split_sentences
 
 #: Raised whenever the same text would be cut differently, so that what records how an index was cut
@@ -51,10 +52,6 @@ OVERLAP_SHARE = 0.125
 #: would otherwise leave no room at all; such a chunk's metadata is then what overflows).
 MIN_BUDGET = 32
 
-#: The longest line read as a heading.
-MAX_HEADING_CHARS = 200
-
-_HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$")
 _FENCE = re.compile(r"^[ \t]*(```|~~~)")
 _TABLE_RULE = re.compile(r"^[ \t]*\|?[ \t]*:?-{3,}:?[ \t]*(\|[ \t]*:?-{3,}:?[ \t]*)*\|?[ \t]*$")
 
@@ -285,9 +282,9 @@ def _units(text: str) -> List[_Unit]:
             block += 1
             i += 1
             continue
-        heading = _HEADING.match(line) if _heads_a_block(text, lines, i) else None
-        if heading:
-            level, title = len(heading.group(1)), " ".join(heading.group(2).split())
+        found = heading(line, _line(text, lines, i - 1), _line(text, lines, i + 1))
+        if found:
+            level, title = found
             path = [(lv, t) for lv, t in path if lv < level] + [(level, title)]
             block += 1
             units.append(_Unit(start, end, HEADING, tuple(t for _, t in path), block))
@@ -313,14 +310,9 @@ def _units(text: str) -> List[_Unit]:
     return units
 
 
-def _heads_a_block(text: str, lines: List[Tuple[int, int]], i: int) -> bool:
-    """Whether line ``i`` may be a heading: a block of its own, a blank line (or the text's edge) before and after
-    it, as every reader writes headings and Markdown's style asks; and not longer than a heading is. A comment
-    line of a configuration file or a script laid out as written (``# TYPE  DATABASE ...``) is not one."""
-    if len(text[slice(*lines[i])]) > MAX_HEADING_CHARS:
-        return False
-    before = i == 0 or not text[slice(*lines[i - 1])].strip()
-    return before and (i + 1 >= len(lines) or not text[slice(*lines[i + 1])].strip())
+def _line(text: str, lines: List[Tuple[int, int]], i: int) -> Optional[str]:
+    """Line ``i`` of ``text``, or None past its edges."""
+    return text[slice(*lines[i])] if 0 <= i < len(lines) else None
 
 
 def _block_units(text: str, lines: List[Tuple[int, int]], section: Tuple[str, ...], block: int) -> List[_Unit]:
