@@ -103,3 +103,25 @@ def test_the_quoter_reads_a_refined_strip_with_the_context_the_refiner_read_it_w
     assert STRIPS_KEY in node.metadata
     assert STRIPS_KEY not in node.get_content(metadata_mode=MetadataMode.LLM)
     assert STRIPS_KEY not in node.get_content(metadata_mode=MetadataMode.EMBED)
+
+
+#: A catalog table as an HTML reader writes one whose rows hold a term and its description as two paragraphs.
+CATALOG = (
+    "#### pg_stat_wheels\n\n"
+    "wheel_id integer\n\nIdentifier of the wheel, unique in the cellar\n\n"
+    "rind_age interval\n\nTime since the rind was last washed with brine, updated by every turning\n\n"
+    "The view holds one row per wheel. It is reset when the cellar restarts."
+)
+
+
+def test_a_strip_never_runs_across_a_blank_line_and_keeps_the_text_as_it_stands() -> None:
+    strips = decompose(CATALOG, min_tokens=8)
+    texts = [s.text for s in strips]
+    # Before, the paragraphs ran together as one sentence (no full stop between them) and were quoted as one.
+    assert len(strips) >= 3 and all(t in CATALOG for t in texts), texts  # verbatim slices, line breaks kept
+    assert texts[0].startswith("#### pg_stat_wheels\n\nwheel_id integer")  # a heading goes with what it heads
+    assert not any("washed with brine" in t and "one row per wheel" in t for t in texts), texts
+    assert texts[-1] == "The view holds one row per wheel. It is reset when the cellar restarts."
+    # Short sentences still merge: no strip is shorter than the minimum, except a lone text's.
+    assert all(len(t.split()) >= 8 for t in texts), texts
+    assert [s.text for s in decompose("A short one.\n\nAnother.", min_tokens=8)] == ["A short one.\n\nAnother."]

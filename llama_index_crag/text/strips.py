@@ -10,11 +10,14 @@ from typing import List, Optional, Tuple
 
 from llama_index.core.schema import NodeWithScore
 
+from llama_index_crag.text.headings import heading
 from llama_index_crag.text.patterns import CAPITALISED
 from llama_index_crag.text.split import split_sentences, terms
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$")
+#: A blank line between paragraphs.
+_PARAGRAPH = re.compile(r"\n[ \t]*\n")
 
 
 #: Words that open a sentence by referring back to something named before it: such a strip has lost its subject.
@@ -139,19 +142,31 @@ def _with_subjects(strips: List[Strip], title: str) -> List[Strip]:
 
 
 def _prose_strips(text: str, min_tokens: int) -> List[Strip]:
-    if not text.strip():
-        return []
-    sentences = [s.strip() for s in split_sentences(text) if s.strip()]
-    merged: List[str] = []
-    pending = ""
-    for sentence in sentences:
-        pending = f"{pending} {sentence}".strip()
-        if len(pending.split()) >= min_tokens:
+    """The strips of prose: its sentences, none running across a blank line (a paragraph's end is a sentence's,
+    whether or not a full stop marks it: a heading, a list's term, a table cell written as a paragraph), a short
+    one merged into the next (the last into the one before). Each strip is the text as it stands, line breaks
+    kept, from its first sentence's start to its last one's end."""
+    spans: List[Tuple[int, int, bool]] = []  # each sentence's start and end, and whether it is a heading
+    at = 0
+    for paragraph in _PARAGRAPH.split(text):
+        titled = heading(paragraph.strip(), None, None) is not None
+        for sentence in split_sentences(paragraph):
+            found = sentence.strip()
+            if found:
+                start = text.find(found, at)
+                start = at if start < 0 else start  # a sentence is a slice of its paragraph: found, always
+                spans.append((start, start + len(found), titled))
+                at = start + len(found)
+    merged: List[Tuple[int, int]] = []
+    pending: Optional[Tuple[int, int]] = None
+    for start, end, titled in spans:  # a heading always goes with what it heads
+        pending = (pending[0] if pending else start, end)
+        if not titled and len(text[pending[0] : pending[1]].split()) >= min_tokens:
             merged.append(pending)
-            pending = ""
+            pending = None
     if pending:
         if merged:
-            merged[-1] = f"{merged[-1]} {pending}"
+            merged[-1] = (merged[-1][0], pending[1])
         else:
             merged.append(pending)
-    return [Strip(s) for s in merged]
+    return [Strip(text[start:end]) for start, end in merged]
