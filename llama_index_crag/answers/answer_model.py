@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -143,6 +143,13 @@ def answer_features(question: str, candidates: Sequence[Candidate], scorer: Evid
     return np.hstack([words, np.asarray(rows, dtype=np.float64)])
 
 
+@lru_cache(maxsize=4096)
+def asked_identifiers(question: str) -> Tuple[str, ...]:
+    """The software identifiers ``question`` names (``IDENTIFIER``: "checkpoint_segments", "--strict-names"), each
+    once, in question order; read once a question, however many strips are weighed against them."""
+    return tuple(dict.fromkeys(IDENTIFIER.findall(question)))
+
+
 def unnamed_identifiers(question: str, candidates: Sequence[Candidate]) -> List[str]:
     """The software identifiers ``question`` names ("checkpoint_segments", "--strict-names": ``IDENTIFIER``)
     that none of the candidates' passages names, in question order.
@@ -152,7 +159,7 @@ def unnamed_identifiers(question: str, candidates: Sequence[Candidate]) -> List[
     context is searched, not each strip's own passage, because documentation states one object's facts under a
     sibling's name ("pg_stat_user_tables: same as pg_stat_all_tables"). Names, figures and codes stay inputs the
     network weighs (a country may be named another way); an identifier is written one way only."""
-    identifiers = list(dict.fromkeys(IDENTIFIER.findall(question)))
+    identifiers = asked_identifiers(question)
     if not identifiers:
         return []
     context = " ".join(f"{c.said_before} {c.graded_text}" for c in candidates).casefold()
@@ -183,7 +190,7 @@ def other_entry(question: str, candidate: Candidate) -> Optional[str]:
     where it names autovacuum_freeze_max_age ("... half the value of autovacuum_freeze_max_age"). The entry is the
     last heading of the passage above the strip (``entry_above``); one that names no identifier of a form the
     question names (a section's title; an option's entry for a question about its program) says nothing."""
-    asked = [i.casefold() for i in IDENTIFIER.findall(question)]
+    asked = [i.casefold() for i in asked_identifiers(question)]
     entry = candidate.entry
     if not asked or not entry:
         return None

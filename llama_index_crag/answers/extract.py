@@ -18,6 +18,7 @@ from llama_index_crag.answers.answer_model import (
     Candidate,
     QuoteDecision,
     answer_features,
+    asked_identifiers,
     entry_above,
     other_entry,
     packaged_answer_model,
@@ -30,7 +31,6 @@ from llama_index_crag.presets import QUOTE_PRESETS, QuoteRule
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.bi_encoder import bi_encoder_of
 from llama_index_crag.scorers.evidence import EvidenceScorer
-from llama_index_crag.text.patterns import IDENTIFIER
 from llama_index_crag.text.strips import Strip, decompose, kept_strips
 
 #: The line that opens every quoted answer, so that nobody reads it as generated text.
@@ -240,9 +240,7 @@ class EvidenceQuoter:
         why = {i: set_aside_why(question, found[i][0]) for i in ranked}
         set_aside = [{"text": found[i][4], "why": w} for i, w in why.items() if w][:3]
         elsewhere = (
-            list(dict.fromkeys(IDENTIFIER.findall(question)))
-            if any(w and w.startswith(IN_ANOTHER_ENTRY) for w in why.values())
-            else []
+            list(asked_identifiers(question)) if any(w and w.startswith(IN_ANOTHER_ENTRY) for w in why.values()) else []
         )
         ranked = [i for i in ranked if not why[i]]
         if not ranked:
