@@ -382,19 +382,19 @@ class Loop:
             with answering.callback_manager.event(
                 CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_bundle.query_str}
             ) as synthesize:
-                quoted = yield from self.quote(query_bundle, context, trace)
+                quoted, grade = (yield from self.quote(query_bundle, context, trace)), None
                 if not quoted.quotes and quoted.elsewhere and self.fallback is not None:
                     found = yield from self.search_entry(query_bundle, quoted.elsewhere, trace)
                     if found:
-                        context = found
-                        quoted = yield from self.quote(query_bundle, context, trace, trace.retry_score)
+                        context, grade = found, trace.retry_score
+                        quoted = yield from self.quote(query_bundle, context, trace, grade)
                 if quoted.quotes:
                     trace.answered_by = "extract"
                     response = text_response(quoted.text, context, streaming, is_async)
                 elif quoted.withheld:
                     trace.abstain(
                         f"no strip of the graded passages answers the question: {quoted.why_withheld()}"
-                        f"{_graded_at(trace)}{_searched_by_name(trace)}"
+                        f"{_graded_at(trace, grade)}{_searched_by_name(trace)}"
                     )
                 elif quoted.set_aside:
                     trace.abstain(
@@ -759,9 +759,10 @@ def _web_shortfall(trace: CragTrace) -> str:
     return ""
 
 
-def _graded_at(trace: CragTrace) -> str:
-    """What the quote threshold was set by, for an abstention's reason: the grade of the evidence."""
-    grade = evidence_grade(trace.action, trace.top_score, trace.retry_score)
+def _graded_at(trace: CragTrace, grade: Optional[float] = None) -> str:
+    """What the quote threshold was set by, for an abstention's reason: the grade of the evidence (``grade``, when
+    it is not the one the action says: what a search for the asked entry found)."""
+    grade = evidence_grade(trace.action, trace.top_score, trace.retry_score) if grade is None else grade
     return "" if grade is None else f" for evidence graded {grade:.3f}"
 
 
