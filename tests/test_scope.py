@@ -553,3 +553,48 @@ def test_each_part_of_a_compound_question_stays_inside_the_scope(tenants_index: 
         assert len(parts) == 2 and not parts[0]["abstained"]
         assert _leaks(_readable(response)) == []
         assert "Kestrel VPN" in parts[0]["answer"]
+
+
+class _EntryScorer(RelevanceScorer):
+    """Grades every settings entry relevant (0.95) and anything else not (0.05)."""
+
+    name = "entries"
+
+    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
+        return [0.95 if "_age (integer)" in t else 0.05 for t in texts]
+
+
+def test_the_search_for_the_asked_entry_by_name_stays_inside_the_scope(embed_model: Any) -> None:
+    # Acme's page holds a neighbour's entry that names the asked setting; only Globex's page holds the setting's own.
+    neighbour = (
+        "#### vat_min_age (integer)\n\nThe youngest age at which a cheese leaves the vat. The default is 50 days, at "
+        "most half the value of vat_max_age."
+    )
+    own = (
+        "#### vat_max_age (integer)\n\nThe oldest age a cheese may reach in the vat. The default is 200 days at "
+        "Zephyrine."
+    )
+    index = VectorStoreIndex.from_documents(
+        [Document(text=neighbour, metadata={"tenant": "acme"}), Document(text=own, metadata={"tenant": "globex"})],
+        embed_model=embed_model,
+    )
+    settings: Dict[str, Any] = {
+        "scorer": _EntryScorer(),
+        "upper": 0.7,
+        "lower": 0.3,
+        "answer_mode": "extract",
+        "quote_threshold": 0.0,
+        "similarity_top_k": 1,
+    }
+    question = "What is the default value of vat_max_age?"
+    unscoped = CorrectiveQueryEngine.from_defaults(index=index, **settings).query(question)
+    # Unbounded, the search by name finds Globex's entry: the path this test holds to the scope.
+    assert unscoped.metadata["crag"]["entry_search"] == "vat_max_age" and "Zephyrine" in str(unscoped)
+    for engine in (
+        CorrectiveQueryEngine.from_defaults(index=index, filters={"tenant": "acme"}, **settings),
+        CorrectiveQueryEngine.from_defaults(index=index, **settings).scoped({"tenant": "acme"}),
+    ):
+        response = engine.query(question)
+        trace = response.metadata["crag"]
+        assert trace["entry_search"] == "vat_max_age" and trace["abstained"], trace["abstain_reason"]
+        assert _leaks(_readable(response)) == []
