@@ -7,7 +7,7 @@ import hashlib
 import json
 import random
 import sys
-from typing import Any, Dict, Iterator, List, Mapping, Set, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Sequence, Set, Tuple
 
 import numpy as np
 import psycopg
@@ -26,6 +26,7 @@ from llama_index_crag.core.persisted import engine_from_store
 from llama_index_crag.core.store_parts import store_parts
 from llama_index_crag.errors import ScopeError
 from llama_index_crag.scope import Scope
+from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.stores.postgres import (
     PostgresFullTextRetriever,
     PostgresSentenceWindowRetriever,
@@ -493,6 +494,58 @@ def test_an_engine_scoped_to_acme_never_shows_globex_text_on_any_branch(
     own = acme.query("Who is the chief executive of Acme Rockets?")
     assert not own.metadata["crag"]["abstained"]  # type: ignore[index]
     assert "Quarterfield" in json.dumps(_plain(own), default=str) and not _leaks(own)
+
+
+class _EntryScorer(RelevanceScorer):
+    """Grades every settings entry relevant (0.95) and anything else not (0.05)."""
+
+    name = "entries"
+
+    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
+        return [0.95 if "_age (integer)" in t else 0.05 for t in texts]
+
+
+def test_the_search_for_the_asked_entry_by_name_keeps_to_the_scope_in_postgresql(
+    pg_url: str,  # noqa: F811
+    embed_model: Any,
+) -> None:
+    # Acme's page holds a neighbour's entry that names the asked setting; only Globex's holds the setting's own.
+    pages = [
+        (
+            "acme/vat.html",
+            "acme",
+            "#### vat_min_age (integer)\n\nThe youngest age at which a cheese leaves the vat. The default is 50 days, "
+            "at most half the value of vat_max_age.",
+        ),
+        (
+            "globex/vat.html",
+            "globex",
+            "#### vat_max_age (integer)\n\nThe oldest age a cheese may reach in the vat. The default is 200 days at "
+            "Marrowfield.",
+        ),
+    ]
+    store = PostgresStore(pg_url, table="entries")
+    try:
+        ingest([Document(id_=d, text=t, metadata={"tenant": tenant}) for d, tenant, t in pages], store, embed_model)
+        settings: Dict[str, Any] = {
+            "scorer": _EntryScorer(),
+            "upper": 0.7,
+            "lower": 0.3,
+            "answer_mode": "extract",
+            "quote_threshold": 0.0,
+            "similarity_top_k": 1,
+        }
+        question = "What is the default value of vat_max_age?"
+        unscoped = engine_from_store(store, None, embed_model=embed_model, **settings).query(question)
+        searched = unscoped.metadata["crag"]  # type: ignore[index]
+        assert searched["entry_search"] == "vat_max_age" and _leaks(unscoped), searched  # the path, unbounded
+        acme = engine_from_store(store, None, embed_model=embed_model, filters=ACME_ONLY, **settings)
+        response = acme.query(question)
+        trace = response.metadata["crag"]  # type: ignore[index]
+        assert trace["entry_search"] == "vat_max_age" and trace["abstained"], trace["abstain_reason"]
+        assert not _leaks(response), trace
+    finally:
+        store.close()
 
 
 async def test_the_async_engine_keeps_the_scope_too(tenant_store: PostgresStore, embed_model: Any) -> None:
