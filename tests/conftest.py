@@ -81,6 +81,26 @@ class Answering(ScriptedLLM):
         return self.answer
 
 
+class EntryScorer(RelevanceScorer):
+    """Grades every settings entry ("#### vat_min_age (integer) ...") relevant (0.95) and anything else not."""
+
+    name = "entries"
+
+    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
+        return [0.95 if "_age (integer)" in t else 0.05 for t in texts]
+
+
+#: Engine settings under which a settings entry is CORRECT and any strip of it is quoted (``EntryScorer``'s tests
+#: of the search for the asked entry by name): one passage retrieved, so the neighbour is all there is.
+ENTRY_SETTINGS: Dict[str, Any] = {
+    "upper": 0.7,
+    "lower": 0.3,
+    "answer_mode": "extract",
+    "quote_threshold": 0.0,
+    "similarity_top_k": 1,
+}
+
+
 class MarkerScorer(RelevanceScorer):
     """Scores a passage by the best marker word it contains (deterministic), counting calls."""
 

@@ -7,7 +7,7 @@ import hashlib
 import json
 import random
 import sys
-from typing import Any, Dict, Iterator, List, Mapping, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Set, Tuple
 
 import numpy as np
 import psycopg
@@ -26,7 +26,6 @@ from llama_index_crag.core.persisted import engine_from_store
 from llama_index_crag.core.store_parts import store_parts
 from llama_index_crag.errors import ScopeError
 from llama_index_crag.scope import Scope
-from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.stores.postgres import (
     PostgresFullTextRetriever,
     PostgresSentenceWindowRetriever,
@@ -36,7 +35,7 @@ from llama_index_crag.stores.postgres import (
 )
 from llama_index_crag.stores.postgres.filters import ASCII_FOLDS, LAYOUT_KEYS, MAX_EXACT_NUMBER, scope_sql
 from llama_index_crag.stores.postgres.store import row_node
-from tests.conftest import ScriptedLLM
+from tests.conftest import ENTRY_SETTINGS, EntryScorer, ScriptedLLM
 from tests.pg_server import pg_url  # noqa: F401  (the session fixture)
 
 # --- the translation: SQL against Scope.admits --------------------------------------------------------------------
@@ -496,15 +495,6 @@ def test_an_engine_scoped_to_acme_never_shows_globex_text_on_any_branch(
     assert "Quarterfield" in json.dumps(_plain(own), default=str) and not _leaks(own)
 
 
-class _EntryScorer(RelevanceScorer):
-    """Grades every settings entry relevant (0.95) and anything else not (0.05)."""
-
-    name = "entries"
-
-    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
-        return [0.95 if "_age (integer)" in t else 0.05 for t in texts]
-
-
 def test_the_search_for_the_asked_entry_by_name_keeps_to_the_scope_in_postgresql(
     pg_url: str,  # noqa: F811
     embed_model: Any,
@@ -527,14 +517,7 @@ def test_the_search_for_the_asked_entry_by_name_keeps_to_the_scope_in_postgresql
     store = PostgresStore(pg_url, table="entries")
     try:
         ingest([Document(id_=d, text=t, metadata={"tenant": tenant}) for d, tenant, t in pages], store, embed_model)
-        settings: Dict[str, Any] = {
-            "scorer": _EntryScorer(),
-            "upper": 0.7,
-            "lower": 0.3,
-            "answer_mode": "extract",
-            "quote_threshold": 0.0,
-            "similarity_top_k": 1,
-        }
+        settings: Dict[str, Any] = {"scorer": EntryScorer(), **ENTRY_SETTINGS}
         question = "What is the default value of vat_max_age?"
         unscoped = engine_from_store(store, None, embed_model=embed_model, **settings).query(question)
         searched = unscoped.metadata["crag"]  # type: ignore[index]

@@ -25,7 +25,7 @@ from llama_index_crag import CorrectiveQueryEngine, CorrectiveRetriever, Fallbac
 from llama_index_crag.errors import ConfigError, ScopeError
 from llama_index_crag.scope import Scope
 from llama_index_crag.scorers.base import RelevanceScorer
-from tests.conftest import REWRITE_MARKER, ScriptedLLM
+from tests.conftest import ENTRY_SETTINGS, REWRITE_MARKER, EntryScorer, ScriptedLLM
 
 ACME = [
     "Acme's remote access policy: employees connect through the Kestrel VPN with a hardware key issued by IT.",
@@ -555,15 +555,6 @@ def test_each_part_of_a_compound_question_stays_inside_the_scope(tenants_index: 
         assert "Kestrel VPN" in parts[0]["answer"]
 
 
-class _EntryScorer(RelevanceScorer):
-    """Grades every settings entry relevant (0.95) and anything else not (0.05)."""
-
-    name = "entries"
-
-    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
-        return [0.95 if "_age (integer)" in t else 0.05 for t in texts]
-
-
 def test_the_search_for_the_asked_entry_by_name_stays_inside_the_scope(embed_model: Any) -> None:
     # Acme's page holds a neighbour's entry that names the asked setting; only Globex's page holds the setting's own.
     neighbour = (
@@ -578,14 +569,7 @@ def test_the_search_for_the_asked_entry_by_name_stays_inside_the_scope(embed_mod
         [Document(text=neighbour, metadata={"tenant": "acme"}), Document(text=own, metadata={"tenant": "globex"})],
         embed_model=embed_model,
     )
-    settings: Dict[str, Any] = {
-        "scorer": _EntryScorer(),
-        "upper": 0.7,
-        "lower": 0.3,
-        "answer_mode": "extract",
-        "quote_threshold": 0.0,
-        "similarity_top_k": 1,
-    }
+    settings: Dict[str, Any] = {"scorer": EntryScorer(), **ENTRY_SETTINGS}
     question = "What is the default value of vat_max_age?"
     unscoped = CorrectiveQueryEngine.from_defaults(index=index, **settings).query(question)
     # Unbounded, the search by name finds Globex's entry: the path this test holds to the scope.
