@@ -211,6 +211,12 @@ def normalise_text(text: str) -> str:
     return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
 
 
+def words_in(needle: str, haystack: str) -> bool:
+    """Whether ``needle`` stands in ``haystack`` as whole words, both ``normalise_text``'d ("2 1" is not in
+    "q2 1 9", nor "19" in "in 1998"); False for an empty needle."""
+    return bool(needle) and f" {needle} " in f" {haystack} "
+
+
 def content_hash(*paths: Path) -> str:
     """A short hash of files' content, so caches and resumed runs follow the data, not its location."""
     digest = hashlib.sha256()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, List
 
@@ -19,7 +20,7 @@ from llama_index_crag.calibration.fit import (
 )
 from llama_index_crag.calibration.thresholds import fit_thresholds
 from llama_index_crag.cli import main
-from llama_index_crag.datasets import SAMPLE_DIR, load_documents
+from llama_index_crag.datasets import SAMPLE_DIR, load_documents, normalise_text, words_in
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.scorers import EvidenceScorer, LLMJudgeScorer
 from llama_index_crag.scorers.evidence import FEATURES
@@ -129,7 +130,17 @@ def test_strips_are_labelled_by_the_answer_they_hold() -> None:
         for seen, text, label in zip(graded, texts, labels):
             # Labelled by its own text, graded with whatever context it carries.
             assert seen.endswith(text)
-            assert label == any(a.lower() in text.lower() for a in answers), (question, text)
+            said = normalise_text(text)
+            assert label == any(re.search(rf"\b{re.escape(normalise_text(a))}\b", said) for a in answers), text
+
+
+def test_an_answer_labels_a_strip_only_as_whole_words() -> None:
+    # "2.1" inside "Q2 1.9" or "19" inside "in 1998" is not the answer; the same words between others are.
+    assert not words_in(normalise_text("2.1"), normalise_text("Release Q2 1.9 shipped"))
+    assert not words_in("19", normalise_text("founded in 1998"))
+    assert words_in(normalise_text("2.1"), normalise_text("Version 2.1 shipped in Q2."))
+    assert words_in("1998", normalise_text("founded in 1998."))
+    assert not words_in("", "anything")
 
 
 def test_an_acronym_the_corpus_never_uses_is_found_where_its_expansion_is() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from llama_index.core.schema import NodeWithScore
 
@@ -137,18 +137,27 @@ def shown(strip: Strip, passage: str) -> str:
 _HEADING_MARKS = re.compile(r"^[ \t]*#{1,6}[ \t]+")
 
 
-#: Why a strip of another identifier's entry is set aside (``set_aside_why``), before the entry's name.
-IN_ANOTHER_ENTRY = "it stands in the entry for "
+class SetAside(NamedTuple):
+    """Why a strip cannot answer a question whatever its probability: ``kind`` (``OTHER_ENTRY``: it stands in
+    another identifier's entry; ``NO_DEFAULT``: the question asks for a default it does not state) and ``why``, the
+    reason as the trace gives it."""
+
+    kind: str
+    why: str
 
 
-def set_aside_why(question: str, candidate: Candidate) -> Optional[str]:
+OTHER_ENTRY = "other_entry"
+NO_DEFAULT = "no_default"
+
+
+def set_aside_why(question: str, candidate: Candidate) -> Optional[SetAside]:
     """Why ``candidate`` cannot answer ``question`` whatever the answer model's probability, or None: it stands in
     another identifier's entry (``other_entry``), or the question asks for a default it does not state."""
     entry = other_entry(question, candidate)
     if entry is not None:
-        return IN_ANOTHER_ENTRY + entry
+        return SetAside(OTHER_ENTRY, f"it stands in the entry for {entry}")
     if states_no_default(question, candidate):
-        return "it states no default, which the question asks for"
+        return SetAside(NO_DEFAULT, "it states no default, which the question asks for")
     return None
 
 
@@ -238,10 +247,8 @@ class EvidenceQuoter:
         ranked = sorted(range(len(found)), key=lambda i: -order[i])
         ranked = [i for i in ranked if not any(rule(question, found[i][0].text) for rule in self.rules)]
         why = {i: set_aside_why(question, found[i][0]) for i in ranked}
-        set_aside = [{"text": found[i][4], "why": w} for i, w in why.items() if w][:3]
-        elsewhere = (
-            list(asked_identifiers(question)) if any(w and w.startswith(IN_ANOTHER_ENTRY) for w in why.values()) else []
-        )
+        set_aside = [{"text": found[i][4], "why": w.why} for i, w in why.items() if w][:3]
+        elsewhere = list(asked_identifiers(question)) if any(w and w.kind == OTHER_ENTRY for w in why.values()) else []
         ranked = [i for i in ranked if not why[i]]
         if not ranked:
             return QuotedAnswer([], threshold=threshold, evidence=evidence, set_aside=set_aside, elsewhere=elsewhere)

@@ -14,7 +14,7 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
-from llama_index_crag.datasets import Question, load_documents, load_questions, normalise_text, read_jsonl
+from llama_index_crag.datasets import Question, load_documents, load_questions, normalise_text, read_jsonl, words_in
 from llama_index_crag.errors import DatasetError
 from llama_index_crag.local.embedding_cache import DEFAULT_CACHE_DIR, corpus_cache, unit_vectors
 from llama_index_crag.scorers.base import RelevanceScorer
@@ -258,9 +258,9 @@ def labelled_strips(
             normalised = [normalise_text(s.text) for s in cut]
             if sentences:
                 wanted = [normalise_text(sentences[i]) for i in question.evidence[doc_id] if i < len(sentences)]
-                labels = [any(w and (w in s or s in w) for w in wanted) for s in normalised]
+                labels = [any(words_in(w, s) or words_in(s, w) for w in wanted) for s in normalised]
             elif answers:
-                labels = [any(a in s for a in answers) for s in normalised]
+                labels = [any(words_in(a, s) for a in answers) for s in normalised]
             else:
                 continue
             if len(strips) > 1 and any(labels):
