@@ -246,6 +246,24 @@ def test_what_only_looks_like_a_negation_turns_nothing_round(question: str) -> N
     assert turned_round(question, sentence, sentence) is None
 
 
+@pytest.mark.parametrize(
+    "question",
+    [
+        # A negation in a condition, an exclusion, or what the user says happened first: not what is asked.
+        "Which committees reflect the balance of parties when no election is held?",
+        "Which committees reflect the balance of parties if nobody changes the rules?",
+        "If I don't change the rules, which committees reflect the balance of parties?",
+        "Which committees reflect the balance of parties but not the regions?",
+        "I read the rules and they don't say. Which committees reflect the balance of parties?",
+    ],
+)
+def test_a_negation_outside_the_clause_that_asks_turns_nothing_round(question: str) -> None:
+    assert turned_round(question, COMMITTEES, COMMITTEES) is None
+    # The same negation in the clause that asks still does.
+    asked = question.replace("committees reflect", "committees do not reflect")
+    assert turned_round(asked, COMMITTEES, COMMITTEES) == "the question is negated and its passage states it"
+
+
 def test_an_opposite_word_turns_the_question_round_only_where_the_passage_lacks_the_word() -> None:
     lower = "Antibody production is lower than normal in newborns."
     assert turned_round("When is antibody production higher than normal?", lower, lower) == (

@@ -220,6 +220,27 @@ _ASKS = re.compile(
 )
 
 
+#: A sentence ends before the next one opens ("I can't reach the server. What does listen_addresses default to?").
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
+#: A clause that sets the question's conditions or leaves something out ("when no -F is given", "if nobody ever
+#: changes it", "but not the ordinary queries"), to the next comma: a negation there is not what is asked. "When"
+#: and "while" only after the question's start, where they do not ask.
+_CONDITION = re.compile(
+    r"(?:^|(?<=\s))(?:even\s+)?(?:if|unless|once|whenever|because|since|although|though|after|before|until|so that"
+    r"|(?<!^)when|(?<!^)while|without|but not|and not|rather than|instead of)\b[^,;?]*",
+    re.IGNORECASE,
+)
+
+
+def asked_clause(question: str) -> str:
+    """The part of ``question`` that asks: its last sentence that asks (a user's question often first says what
+    happened: "I ran CREATE ROLE and now it can't log in. Which login attribute ...?"), less its clauses of
+    condition and exclusion (``_CONDITION``)."""
+    parts = [p for p in _SENTENCE_END.split(question.strip()) if p.strip()]
+    asking = [p for p in parts if asks(p)]
+    return _CONDITION.sub(" ", asking[-1] if asking else question)
+
+
 def asks(query: str) -> bool:
     """Whether ``query`` asks something (``_ASKS``), as a question does, rather than states it, as a claim does."""
     return bool(_ASKS.search(query))
@@ -230,7 +251,9 @@ def turned_round(question: str, best_sentence: str, passage: str) -> Optional[st
 
     A negated question ("Which committees do *not* reflect the balance of parties?")
     whose best sentence negates nothing ("the members on each committee reflect the
-    balance of parties"); or a question's word whose opposite the best sentence holds
+    balance of parties"), where only the clause that asks counts (``asked_clause``:
+    "Which database does CREATE DATABASE copy when no TEMPLATE is given?" is not
+    negated); or a question's word whose opposite the best sentence holds
     where the passage never uses the word itself ("When is antibody production
     *higher*?" against "... production is *lower* ..."). Both are how a person makes a
     question the passage cannot answer out of one it can, with every other word kept.
@@ -240,8 +263,10 @@ def turned_round(question: str, best_sentence: str, passage: str) -> Optional[st
     if not asks(question):
         return None
     asked = _lower_words(question)
-    negated = bool(asked & _QUESTION_NEGATION) or any(w.endswith("n't") for w in asked)
-    if negated and not _NOT_A_NEGATION.search(question.lower()):
+    clause = asked_clause(question)
+    in_clause = _lower_words(clause)
+    negated = bool(in_clause & _QUESTION_NEGATION) or any(w.endswith("n't") for w in in_clause)
+    if negated and not _NOT_A_NEGATION.search(clause.lower()):
         if not _PASSAGE_NEGATION.search(best_sentence):
             return "the question is negated and its passage states it"
     polar = sorted(asked & OPPOSITE.keys())
