@@ -126,6 +126,13 @@ def test_the_kind_a_question_asks_is_the_kind_of_its_own_answer_far_more_often_t
         "If I run pg_ctl stop without -m, which shutdown mode is used?",
         "Which output format does pg_dump write when no -F is given?",
         "What does the dump hold without the --format option?",
+        # and as people ask it of a manual
+        "Which login attribute does CREATE ROLE give by default?",
+        "What does listen_addresses default to?",
+        "What's the out-of-the-box shared_buffers size?",
+        "What fillfactor does a B-tree index get when I don't specify one?",
+        "Which wal_level does the server use if nobody ever changes the setting?",
+        "What does the transaction_timeout setting do, and what is its default?",
     ],
 )
 def test_a_setting_mentioned_with_default_but_no_stated_default_does_not_answer_a_default_question(
@@ -346,3 +353,27 @@ def test_the_explanation_says_what_turns_the_question_round() -> None:
 )
 def test_leaving_out_something_that_is_not_an_option_asks_no_default(question: str) -> None:
     assert asked_kinds(question) != frozenset({"default"})
+
+
+@pytest.mark.parametrize(
+    "sentence",
+    [
+        "Fast mode (the default) does not wait for clients to disconnect.",
+        "B-trees use a default fillfactor of 90, but any integer value from 10 to 100 can be selected.",
+        "The default value is replica.",
+        "NOLOGIN is the default, except when CREATE ROLE is invoked as CREATE USER.",
+    ],
+)
+def test_a_default_stated_as_manuals_state_it_answers_a_default_question(sentence: str) -> None:
+    kinds = asked_kinds("What is the default value of the setting?")
+    assert kinds == frozenset({"default"}) and holds_kind(kinds, sentence, "What is the default value of the setting?")
+
+
+def test_a_default_question_is_not_answered_by_the_word_default_alone() -> None:
+    kinds = asked_kinds("What is the default value of the setting?")
+    for sentence in [
+        "A default fillfactor can be lowered for tables that see many updates.",
+        "The default of this setting depends on the platform.",  # says what it depends on, not what it is
+        "A value of 0 selects the operating system's default.",
+    ]:
+        assert not holds_kind(kinds, sentence, "What is the default value of the setting?"), sentence

@@ -79,10 +79,15 @@ _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
         # about what a program does when an option is left out ("pg_ctl stop without -m", "when no -F is given"):
         # the option's entry says "If this option is omitted, fast is the default."
         (
-            r"\bwhat(?:'s|s)?\s+(?:is\s+|are\s+|was\s+)?(?:the\s+)?(?:defaults?|defualt)\b"
+            r"\bwhat(?:'s|s)?\s+(?:is\s+|are\s+|was\s+)?(?:the\s+|its\s+)?(?:defaults?|defualt)\b"
             r"|\bdefaults?\s+(?:values?|settings?)\s*(?:of|for)\b|\bdefault\s+values?\W*$"
             rf"|\b(?:without|omitting)\s+(?:the\s+)?{_OPTION}|\b(?:when|if)\s+no\s+{_OPTION}(?:\s+option)?\s+is\s+"
-            r"(?:given|specified|set|passed|used)\b",
+            r"(?:given|specified|set|passed|used)\b"
+            # "... by default?", "What does listen_addresses default to?", "out of the box", "when I don't
+            # specify one", "if nobody ever changes the setting".
+            r"|\bby\s+default\b|\bdefaults?\s+to\W*$|\bout[\s-]of[\s-]the[\s-]box\b"
+            r"|\b(?:when|if)\s+(?:i|you|we|nobody|no\s+one)\s+(?:(?:do\s+not|don't|never|ever)\s+)?"
+            r"(?:specify|set|change|give|pass|configure)s?\b",
             "default",
         ),
         (

@@ -74,12 +74,15 @@ QUANTITY = re.compile(
 UNIT_GAP = re.compile(r"(?<=\d)\s+(?=[^\W\d_])")
 
 #: Where a text states a default, with what it is: "The default is 4MB", "defaults to 0.9", "(default 100)",
-#: "Read Committed is the default", "uses spread checkpoints by default".
+#: "Read Committed is the default", "uses spread checkpoints by default", "spread (the default)", "B-trees use a
+#: default fillfactor of 90".
 STATED_DEFAULT = re.compile(
     r"\bdefaults?(?:\s+value)?\s*(?:\b(?:is|are|was|to)\b|:|=)\s*[^\s.,;]+"
     r"|\(defaults?:?\s+[^)\s]+[^)]*\)"
     r"|[^\s.,;]+\s+(?:is|are|was)\s+(?:the\s+)?default\b"
-    r"|[^\s.,;]+\s+by\s+default\b",
+    r"|[^\s.,;]+\s+by\s+default\b"
+    r"|[^\s.,;(]+\s+\((?:the\s+)?default\)"
+    r"|\bdefault\s+[\w-]+(?:\s+[\w-]+)?\s+of\s+\d[^\s,;]*",
     re.IGNORECASE,
 )
 
