@@ -62,6 +62,8 @@ def test_and_inside_a_name_a_comparison_or_a_reference_back_is_not_split() -> No
         "Which is older, Harvard or Yale, or Princeton or Brown?",  # two "or": not sure where the sides are
         "Did the war between England and France end in 1453?",
         "Who wrote Pride and Prejudice, and when was it published?",  # "it" needs the first part
+        "Which setting sets how fast CREATE INDEX runs, and what is that setting's default value?",  # so does "that"
+        "Which church did Wren design, and when was this church built?",
         "whats the defualt work_mem",
         "and?",
         "",

@@ -160,9 +160,21 @@ def _asks_apart(before: str, after: str, seam: str, asks: bool) -> bool:
     return starts or bool(_REQUEST.match(after)) or (before_asks and bool(_WH_ANYWHERE.search(after)))
 
 
+#: "this mode", "those rows", "that setting's": a later part naming what an earlier one asked about ("Which setting
+#: ..., and what is that setting's default value?"). A bare "that" mostly opens a clause ("the doctor that led the
+#: research"), so only its possessive counts.
+_DEMONSTRATIVE = re.compile(
+    r"\b(?:this|these|those)\s+(?!(?:is|are|was|were|has|have|had|can|could|will|would|shall|should|may|might"
+    r"|must|does|do|did|the|a|an|i|you|we|they|it|he|she|there|not|to|of|in|on|for|week|weekend|month|year"
+    r"|season|day|time|morning|evening|century|decade|way)\b)[a-z][\w-]*"
+    r"|\bthat\s+[a-z][\w-]*'s\b",
+    re.IGNORECASE,
+)
+
+
 def _refers_back(part: str) -> bool:
-    """A pronoun, and no name of the part's own for it to stand for."""
-    return bool(_PRONOUN.search(part)) and not _NAME.search(part.strip())
+    """A pronoun or a demonstrative ("that setting"), and no name of the part's own for it to stand for."""
+    return bool(_PRONOUN.search(part) or _DEMONSTRATIVE.search(part)) and not _NAME.search(part.strip())
 
 
 def _comparison(question: str) -> List[Tuple[str, str]]:
