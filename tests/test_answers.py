@@ -964,6 +964,17 @@ def test_a_setting_the_documents_do_not_name_gets_no_quote_of_its_neighbours_def
         assert answer.withheld, "the most probable strip is kept in the trace as withheld"
 
 
+def test_an_identifier_the_user_names_before_asking_is_not_asked_about() -> None:
+    # "my_cluster" is the user's own name for what they ran; the question asks about checkpoint_timeout.
+    nodes = [NodeWithScore(node=TextNode(text=_SETTINGS_PAGE, metadata={"title": "Checkpoints"}), score=0.9)]
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=[_SETTINGS_PAGE]), strip_min_tokens=3, answer_threshold=0.0)
+    told = "I started my_cluster and it checkpoints too often. What is the default value of checkpoint_timeout?"
+    answer = quoter.quote(told, nodes)
+    assert answer.quotes and answer.unnamed == [], answer
+    # Asked about, the same name still withholds the quote.
+    assert not quoter.quote("What is the default checkpoint_timeout of my_cluster?", nodes).quotes
+
+
 def test_the_engine_abstains_on_a_setting_no_passage_names_and_says_which() -> None:
     # The passage grades CORRECT and a quote threshold of 0 quotes anything: only the missing name withholds it.
     page = TextNode(text=_SETTINGS_PAGE, metadata={"title": "Checkpoints"})

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from llama_index_crag.errors import ConfigError
-from llama_index_crag.scorers.answer_type import asked_kinds, asks, holds_kind
+from llama_index_crag.scorers.answer_type import asked_kinds, asking_sentence, asks, holds_kind
 from llama_index_crag.scorers.evidence import WORD_FEATURES, EvidenceScorer
 from llama_index_crag.text.headings import heading
 from llama_index_crag.text.patterns import (
@@ -145,9 +145,11 @@ def answer_features(question: str, candidates: Sequence[Candidate], scorer: Evid
 
 @lru_cache(maxsize=4096)
 def asked_identifiers(question: str) -> Tuple[str, ...]:
-    """The software identifiers ``question`` names (``IDENTIFIER``: "checkpoint_segments", "--strict-names"), each
-    once, in question order; read once a question, however many strips are weighed against them."""
-    return tuple(dict.fromkeys(IDENTIFIER.findall(question)))
+    """The software identifiers ``question`` asks about (``IDENTIFIER``: "checkpoint_segments", "--strict-names"),
+    each once, in question order; read once a question, however many strips are weighed against them. Only its
+    ``asking_sentence`` counts: "app_user" in "I ran CREATE ROLE app_user and now it can't log in. Which login
+    attribute ...?" is the user's own name, which no page of the documents holds."""
+    return tuple(dict.fromkeys(IDENTIFIER.findall(asking_sentence(question))))
 
 
 def unnamed_identifiers(question: str, candidates: Sequence[Candidate]) -> List[str]:

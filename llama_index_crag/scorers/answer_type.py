@@ -237,13 +237,18 @@ _CONDITION = re.compile(
 )
 
 
-def asked_clause(question: str) -> str:
-    """The part of ``question`` that asks: its last sentence that asks (a user's question often first says what
-    happened: "I ran CREATE ROLE and now it can't log in. Which login attribute ...?"), less its clauses of
-    condition and exclusion (``_CONDITION``)."""
+def asking_sentence(question: str) -> str:
+    """``question``'s last sentence that asks: a user's question often first says what happened ("I ran CREATE
+    ROLE app_user and now it can't log in. Which login attribute does CREATE ROLE give by default?")."""
     parts = [p for p in _SENTENCE_END.split(question.strip()) if p.strip()]
     asking = [p for p in parts if asks(p)]
-    return _CONDITION.sub(" ", asking[-1] if asking else question)
+    return asking[-1] if asking else question
+
+
+def asked_clause(question: str) -> str:
+    """The part of ``question`` that asks: its ``asking_sentence``, less its clauses of condition and exclusion
+    (``_CONDITION``)."""
+    return _CONDITION.sub(" ", asking_sentence(question))
 
 
 def asks(query: str) -> bool:
