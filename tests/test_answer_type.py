@@ -369,6 +369,25 @@ def test_a_default_stated_as_manuals_state_it_answers_a_default_question(sentenc
     assert kinds == frozenset({"default"}) and holds_kind(kinds, sentence, "What is the default value of the setting?")
 
 
+@pytest.mark.parametrize(
+    ("question", "file"),
+    [
+        ("Which file maps user names to roles?", True),
+        ("What configuration file does ALTER SYSTEM write to?", True),
+        ("For a restore, which file do I create in the data directory?", True),
+        ("Which files are large?", False),  # asks about files, not for one
+        ("What does the file hold?", False),
+    ],
+)  # fmt: skip
+def test_a_question_for_a_file_is_answered_where_a_file_is_named(question: str, file: bool) -> None:
+    kinds = asked_kinds(question)
+    assert (kinds == frozenset({"file"})) is file
+    if file:
+        assert holds_kind(kinds, "Maps are defined in the ident map file, named pg_ident.conf by default.", question)
+        assert holds_kind(kinds, "Create a file recovery.signal in the data directory.", question)
+        assert not holds_kind(kinds, "A user name map can be applied, e.g. to map names; see Section 25.3.", question)
+
+
 def test_a_default_question_is_not_answered_by_the_word_default_alone() -> None:
     kinds = asked_kinds("What is the default value of the setting?")
     for sentence in [

@@ -1123,6 +1123,24 @@ def test_a_question_about_an_option_left_out_is_answered_by_the_strip_that_state
     ) and answer.set_aside
 
 
+def test_a_question_about_a_file_is_answered_only_by_a_strip_that_names_one() -> None:
+    page = (
+        "#### Rind Name Maps\n\nWhen a cellar uses an outside ledger, the name on the ledger might not be the "
+        "cheesemaker's own. In this case, a rind name map can be applied to map the ledger name to a cheesemaker. "
+        "Rind name maps are defined in the rind map file, which by default is named rind_ident.conf."
+    )
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=[page]), strip_min_tokens=3, answer_threshold=0.0)
+    question = "Which file maps ledger names to cheesemakers?"
+    answer = quoter.quote(question, _entries(page))
+    assert [q.text for q in answer.quotes] == [
+        "Rind name maps are defined in the rind map file, which by default is named rind_ident.conf."
+    ], answer
+    assert {s["why"] for s in answer.set_aside} == {"it names no file, which the question asks for"}
+    # Without the strip that names it, nothing about the maps answers "which file".
+    without = page.rsplit(" Rind name maps", 1)[0]
+    assert not quoter.quote(question, _entries(without)).quotes
+
+
 def test_the_engine_abstains_on_a_neighbouring_entry_and_says_why() -> None:
     page = TextNode(text=_FREEZE_MIN, metadata={"title": "Automatic Vacuuming"})
     engine = make_engine(

@@ -217,6 +217,15 @@ def states_no_default(question: str, candidate: Candidate) -> bool:
     return asked_kinds(question) == frozenset({"default"}) and not STATED_DEFAULT.search(candidate.text)
 
 
+def names_no_file(question: str, candidate: Candidate) -> bool:
+    """Whether ``question`` asks for a file ("Which file maps user names to roles?") and ``candidate`` names none
+    besides the question's own: "a user name map can be applied to map the operating system user name" is about
+    the thing, and only a strip that names the file ("... named pg_ident.conf") answers."""
+    return asked_kinds(question) == frozenset({"file"}) and not holds_kind(
+        frozenset({"file"}), candidate.text, question
+    )
+
+
 def leads(features: np.ndarray) -> np.ndarray:
     """``RANK_FEATURES`` of each row of ``features`` (``ANSWER_FEATURES`` of one question's candidates): its
     coverage figures less the highest of the other rows' (0 for a lone row, and for rows that tie at the top)."""

@@ -20,6 +20,7 @@ from llama_index_crag.answers.answer_model import (
     answer_features,
     asked_identifiers,
     entry_above,
+    names_no_file,
     other_entry,
     packaged_answer_model,
     states_no_default,
@@ -139,8 +140,8 @@ _HEADING_MARKS = re.compile(r"^[ \t]*#{1,6}[ \t]+")
 
 class SetAside(NamedTuple):
     """Why a strip cannot answer a question whatever its probability: ``kind`` (``OTHER_ENTRY``: it stands in
-    another identifier's entry; ``NO_DEFAULT``: the question asks for a default it does not state) and ``why``, the
-    reason as the trace gives it."""
+    another identifier's entry; ``NO_DEFAULT``: the question asks for a default it does not state; ``NO_FILE``: for
+    a file it does not name) and ``why``, the reason as the trace gives it."""
 
     kind: str
     why: str
@@ -148,16 +149,20 @@ class SetAside(NamedTuple):
 
 OTHER_ENTRY = "other_entry"
 NO_DEFAULT = "no_default"
+NO_FILE = "no_file"
 
 
 def set_aside_why(question: str, candidate: Candidate) -> Optional[SetAside]:
     """Why ``candidate`` cannot answer ``question`` whatever the answer model's probability, or None: it stands in
-    another identifier's entry (``other_entry``), or the question asks for a default it does not state."""
+    another identifier's entry (``other_entry``), or the question asks for a default it does not state, or for a
+    file it does not name."""
     entry = other_entry(question, candidate)
     if entry is not None:
         return SetAside(OTHER_ENTRY, f"it stands in the entry for {entry}")
     if states_no_default(question, candidate):
         return SetAside(NO_DEFAULT, "it states no default, which the question asks for")
+    if names_no_file(question, candidate):
+        return SetAside(NO_FILE, "it names no file, which the question asks for")
     return None
 
 

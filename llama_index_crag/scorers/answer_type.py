@@ -46,6 +46,8 @@ PATTERNS: Dict[str, re.Pattern[str]] = {
     "percent": re.compile(r"\d(?:[\d.,]*)\s*(?:%|per ?cent\b|percentage points?)", re.IGNORECASE),
     "name": NAME_PHRASE,
     "default": STATED_DEFAULT,
+    # a file's name: "pg_ident.conf", "recovery.signal", "postgresql.auto.conf"
+    "file": re.compile(r"(?<![\w/-])[A-Za-z_][\w-]*(?:\.[\w-]+)*\.[a-z]{2,8}\b(?![.\w-]*\w)"),
 }
 
 #: Words that make a proper name an organisation, not a person.
@@ -90,6 +92,8 @@ _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
             r"(?:specify|set|change|give|pass|configure)s?\b",
             "default",
         ),
+        # "Which file maps user names to roles?", "what configuration file ...": answered where a file is named.
+        (r"\b(?:which|what)\s+(?:[\w-]+\s+)?file\b|\bname of the (?:[\w-]+\s+)?file\b", "file"),
         (
             r"\bhow long\b.*\b(last|lasted|take|took|takes|run|ran|stay|stayed|serve|served|reign|reigned|wait"
             r"|live|lived)\b",
