@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from llama_index_crag.errors import ConfigError
-from llama_index_crag.scorers.answer_type import asked_kinds, asking_sentence, asks, holds_kind
+from llama_index_crag.scorers.answer_type import asked_kinds, asking_sentence, asks, holds_kind, strict_kind
 from llama_index_crag.scorers.evidence import WORD_FEATURES, EvidenceScorer
 from llama_index_crag.text.headings import heading
 from llama_index_crag.text.patterns import (
@@ -214,16 +214,14 @@ def states_no_default(question: str, candidate: Candidate) -> bool:
     states none: "autovacuum_vacuum_scale_factor (floating point) Specifies a fraction of the table size ..."
     names the setting and answers something else. A default is stated in a few set ways (``STATED_DEFAULT``:
     "The default is 0.2", "defaults to", "(default 100)", "... is the default", "... by default")."""
-    return asked_kinds(question) == frozenset({"default"}) and not STATED_DEFAULT.search(candidate.text)
+    return strict_kind(question) == "default" and not STATED_DEFAULT.search(candidate.text)
 
 
 def names_no_file(question: str, candidate: Candidate) -> bool:
     """Whether ``question`` asks for a file ("Which file maps user names to roles?") and ``candidate`` names none
     besides the question's own: "a user name map can be applied to map the operating system user name" is about
     the thing, and only a strip that names the file ("... named pg_ident.conf") answers."""
-    return asked_kinds(question) == frozenset({"file"}) and not holds_kind(
-        frozenset({"file"}), candidate.text, question
-    )
+    return strict_kind(question) == "file" and not holds_kind(frozenset({"file"}), candidate.text, question)
 
 
 def leads(features: np.ndarray) -> np.ndarray:

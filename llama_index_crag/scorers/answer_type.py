@@ -136,6 +136,19 @@ def asked_kinds(question: str) -> Optional[FrozenSet[str]]:
     return None
 
 
+#: Kinds of answer that only a strip holding one can give: a question about a default is not answered by a strip
+#: that states none, nor "which file" by one that names none: the quoter sets such strips aside.
+STRICT_KINDS = frozenset({"default", "file"})
+
+
+def strict_kind(question: str) -> Optional[str]:
+    """The one kind of ``STRICT_KINDS`` ``question`` asks for, or None."""
+    kinds = asked_kinds(question)
+    if kinds is not None and len(kinds) == 1 and kinds <= STRICT_KINDS:
+        return next(iter(kinds))
+    return None
+
+
 def _new_matches(pattern: re.Pattern[str], text: str, question: str) -> list[str]:
     asked = question.lower()
     return [m.group(0) for m in pattern.finditer(text) if m.group(0).lower().strip() not in asked]
