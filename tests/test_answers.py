@@ -1103,10 +1103,23 @@ def test_a_question_about_a_default_is_answered_by_the_strip_that_states_it() ->
     quoter = EvidenceQuoter(EvidenceScorer(corpus=[page]), strip_min_tokens=3, answer_threshold=0.0)
     answer = quoter.quote("What is the default value of rind_work_mem?", _entries(page))
     assert [q.text for q in answer.quotes] == ["The default is four megabytes."], answer
+    # The sentence does not say whose default it is: the answer names the entry it stands in.
+    assert answer.quotes[0].entry == "rind_work_mem (integer)"
+    cited = f"{answer.quotes[0].source}, under rind_work_mem (integer)"
+    assert answer.text.endswith(f'"The default is four megabytes." ({cited})'), answer.text
     assert answer.set_aside and answer.set_aside[0]["why"] == "it states no default, which the question asks for"
     # Asked for what it sets, the strip that states no default answers.
     what = quoter.quote("What does rind_work_mem set?", _entries(page))
     assert any("Sets the base memory" in q.text for q in what.quotes) and not what.set_aside
+
+
+def test_a_quote_that_holds_its_entry_or_stands_under_none_names_no_entry() -> None:
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=["x"]), strip_min_tokens=3, answer_threshold=0.0)
+    page = "#### rind_work_mem (integer)\n\nrind_work_mem (integer) sets the base memory a wheel uses. It is 4MB."
+    said = quoter.quote("What does rind_work_mem set?", _entries(page)).quotes
+    assert said and all(q.entry == "" for q in said if "rind_work_mem (integer)" in q.text), said
+    prose = quoter.quote("What does the wheel use?", _entries("The wheel uses the base memory of the cellar.")).quotes
+    assert prose and all(q.entry == "" for q in prose) and "under" not in prose[0].cited
 
 
 def test_a_question_about_an_option_left_out_is_answered_by_the_strip_that_states_the_default() -> None:

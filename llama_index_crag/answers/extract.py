@@ -46,6 +46,14 @@ class Quote:
     source: str
     node_id: str
     score: float
+    #: The entry the strip stands in, when the strip does not say it: the heading above it on its page ("The
+    #: default is 30 seconds." under "max_standby_streaming_delay (integer)"); "" otherwise.
+    entry: str = ""
+
+    @property
+    def cited(self) -> str:
+        """Where the quote comes from, as the answer says it: its source, and the entry it stands in."""
+        return f"{self.source}, under {self.entry}" if self.entry else self.source
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,7 @@ class QuotedAnswer:
         """The answer as a reader sees it: a header, then each quote with its source."""
         if not self.quotes:
             return ""
-        lines = [f'"{q.text}" ({q.source})' for q in self.quotes]
+        lines = [f'"{q.text}" ({q.cited})' for q in self.quotes]
         return "\n".join([QUOTED_HEADER, *lines])
 
     def why_withheld(self) -> str:
@@ -291,8 +299,27 @@ class EvidenceQuoter:
 
 
 def _quote(found: Tuple[Candidate, NodeWithScore, int, int, str], probability: float) -> Quote:
-    node = found[1]
-    return Quote(text=found[4], source=source_name(node), node_id=node.node.node_id, score=round(float(probability), 4))
+    node, entry = found[1], _entry_unsaid(found[0].entry, found[4])
+    return Quote(
+        text=found[4],
+        source=source_name(node),
+        node_id=node.node.node_id,
+        score=round(float(probability), 4),
+        entry=entry,
+    )
+
+
+#: The longest entry a quote names (a heading longer than that is a sentence, not a name).
+MAX_ENTRY_CHARS = 80
+
+
+def _entry_unsaid(entry: str, shown: str) -> str:
+    """``entry`` (a heading's text) when the quote ``shown`` does not hold it and it is short enough to name
+    something, else ""."""
+    entry = " ".join(entry.split())
+    if not entry or len(entry) > MAX_ENTRY_CHARS or entry.casefold() in " ".join(shown.split()).casefold():
+        return ""
+    return entry
 
 
 def _evidence_scorer(scorer: RelevanceScorer) -> EvidenceScorer:

@@ -158,7 +158,8 @@ def _print_row(q: Question, answer: str, crag: dict, sources: Sequence[str]) -> 
 
 def _print_quotes(quotes: Sequence[dict]) -> None:
     for quote in quotes:
-        print(f'    "{" ".join(quote["text"].split())[:300]}" ({quote["source"]})')
+        cited = f"{quote['source']}, under {quote['entry']}" if quote.get("entry") else quote["source"]
+        print(f'    "{" ".join(quote["text"].split())[:300]}" ({cited})')
 
 
 def _print_evidence(crag: dict) -> None:

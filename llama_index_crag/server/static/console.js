@@ -384,7 +384,7 @@
         : "What the sources say, weakly: the answer model gives this strip " + Number(qc.grade).toFixed(3) +
           ", under the quote threshold " + Number(qc.threshold).toFixed(3) + "; it may not answer the question:";
     $("evidence").dataset.weak = weak.length ? "true" : "false";
-    $("quotes").replaceChildren(...quotes.map((q) => el("li", { "data-testid": "quote", text: "\u201c" + q.text + "\u201d (" + q.source + ")" })));
+    $("quotes").replaceChildren(...quotes.map((q) => el("li", { "data-testid": "quote", text: "\u201c" + q.text + "\u201d (" + q.source + (q.entry ? ", under " + q.entry : "") + ")" })));
   }
 
   function draw(result) {
