@@ -377,6 +377,9 @@ def test_a_default_stated_as_manuals_state_it_answers_a_default_question(sentenc
         ("For a restore, which file do I create in the data directory?", True),
         ("Which files are large?", False),  # asks about files, not for one
         ("What does the file hold?", False),
+        ("What file format does pg_dump write by default?", False),  # a format, not a file
+        ("Which file system should the WAL live on?", False),
+        ("Which file name does the server write its PID to?", True),
     ],
 )  # fmt: skip
 def test_a_question_for_a_file_is_answered_where_a_file_is_named(question: str, file: bool) -> None:

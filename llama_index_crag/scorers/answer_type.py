@@ -93,7 +93,12 @@ _QUESTION_KINDS: Tuple[Tuple[re.Pattern[str], FrozenSet[str]], ...] = tuple(
             "default",
         ),
         # "Which file maps user names to roles?", "what configuration file ...": answered where a file is named.
-        (r"\b(?:which|what)\s+(?:[\w-]+\s+)?file\b|\bname of the (?:[\w-]+\s+)?file\b", "file"),
+        # Not "what file format", "which file system": those ask for something else.
+        (
+            r"(?:\b(?:which|what)\s+(?:[\w-]+\s+)?|\bname of the (?:[\w-]+\s+)?)file\b"
+            r"(?!\s*(?:formats?|systems?|sizes?|types?|modes?|descriptors?|permissions?|extensions?)\b)",
+            "file",
+        ),
         (
             r"\bhow long\b.*\b(last|lasted|take|took|takes|run|ran|stay|stayed|serve|served|reign|reigned|wait"
             r"|live|lived)\b",
