@@ -157,9 +157,10 @@ def _print_row(q: Question, answer: str, crag: dict, sources: Sequence[str]) -> 
 
 
 def _print_quotes(quotes: Sequence[dict]) -> None:
+    from llama_index_crag.answers.extract import Quote
+
     for quote in quotes:
-        cited = f"{quote['source']}, under {quote['entry']}" if quote.get("entry") else quote["source"]
-        print(f'    "{" ".join(quote["text"].split())[:300]}" ({cited})')
+        print(f'    "{" ".join(quote["text"].split())[:300]}" ({Quote(**quote).cited})')
 
 
 def _print_evidence(crag: dict) -> None:

@@ -267,6 +267,7 @@ def asking_sentence(question: str) -> str:
     return asking[-1] if asking else question
 
 
+@lru_cache(maxsize=4096)
 def asked_clause(question: str) -> str:
     """The part of ``question`` that asks: its ``asking_sentence``, less its clauses of condition and exclusion
     (``_CONDITION``)."""
