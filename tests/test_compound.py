@@ -182,7 +182,8 @@ def test_each_part_of_a_compound_question_is_answered_from_its_own_sources(
         mine = [n for n in response.source_nodes if n.node.metadata[PART_KEY] == part["part"]]
         assert [n.node.node_id for n in mine] == part["sources"]
         assert {n.node.metadata["doc_id"] for n in mine} & set(row["relevant_doc_ids"])
-    assert crag["split"] == {"parts": 2, "dropped": 0, "answered": 2, "sides": []} and not crag["abstained"]
+    assert crag["split"] == {"parts": 2, "dropped": 0, "answered": 2, "sides": [], "by": "parser"}
+    assert not crag["abstained"]
     assert [s.outcome for s in spans.steps if s.step == "part"] == ["correct", "correct"]
     # The index's own nodes are not marked.
     assert all(PART_KEY not in n.metadata for n in sample_index.docstore.docs.values())
@@ -305,3 +306,103 @@ def spans() -> Any:
     root.add_span_handler(handler)
     yield handler
     root.span_handlers.remove(handler)
+
+
+#: A question the rules leave whole (a list of two things, "the CEO's name and the Q4 2023 NRR"), asked whole it
+#: grades INCORRECT over the sample corpus.
+LISTED = "What were the CEO's name and the Q4 2023 NRR?"
+
+
+def _rewriting(parts: List[str], query: str = "Harbor Analytics CEO name and Q4 2023 net revenue retention") -> Any:
+    from tests.conftest import ScriptedLLM
+
+    return ScriptedLLM(rewrite=json.dumps({"query": query, "parts": parts}))
+
+
+def test_parts_the_llm_rewrite_finds_are_each_answered_when_the_question_fails_whole(
+    sample_index: Any, embed_model: Any, sample: Dict[str, Dict[str, Any]], spans: StepSpans
+) -> None:
+    a, b = sample["q001"], sample["q006"]
+    assert not split_question(LISTED).compound
+    llm = _rewriting([a["question"], b["question"]])
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, embed_model=embed_model, llm=llm, answer_mode="extract"
+    )
+    response = engine.query(LISTED)
+    crag = response.metadata["crag"]
+    assert crag["split"]["by"] == "rewrite" and crag["split"]["parts"] == 2 and crag["split"]["answered"] == 2
+    whole = crag["split"]["whole"]
+    assert whole["action"] == "incorrect" and whole["rewrite_parts"] == [a["question"], b["question"]]
+    assert "2 questions" in whole["abstain_reason"] and whole["fallback_sources"] == []  # not searched whole
+    for part, row in zip(crag["parts"], (a, b)):
+        assert not part["abstained"] and _holds(part["answer"], row["answers"]), part
+        assert {
+            n.node.metadata["doc_id"] for n in response.source_nodes if n.node.metadata[PART_KEY] == part["part"]
+        } & set(row["relevant_doc_ids"])
+    assert llm.calls["rewrite"] == 1  # the parts came with the rewrite the branch makes anyway
+    assert [s.outcome for s in spans.steps if s.step == "part"] == ["correct", "correct"]
+    # The same engine without splitting searches the rewrite whole and answers neither part.
+    off = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, embed_model=embed_model, llm=llm, answer_mode="extract", split_compound=False
+    ).query(LISTED)
+    assert "parts" not in off.metadata["crag"] and not (
+        _holds(str(off), a["answers"]) and _holds(str(off), b["answers"])
+    )
+    # Async and streamed give the same answer.
+    assert str(asyncio.run(engine.aquery(LISTED))) == str(response)
+    streamed = engine.variant(streaming=True).query(LISTED)
+    assert "".join(streamed.response_gen) == str(response)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "parts, why",
+    [
+        (LISTED.split(), "not a question"),  # a small model's usual list: the query's words one by one
+        (["Harbor CEO name", "Harbor CEO name and title"], "repeats"),
+        ([LISTED, "What was the Q4 2023 NRR?"], "whole query"),
+        (["What were the CEO's name and the Q4 2023 NRR?"], "fewer than two"),
+        (["Who is the CEO of Harbor?", "What happened in 2023 in Lisbon?"], "keep"),  # half of what is asked
+        (["Who is the CEO?", "What is the weather in Lisbon today?"], "not a question"),
+    ],
+)
+def test_parts_that_do_not_read_as_the_questions_asked_are_refused_and_the_question_searched_whole(
+    sample_index: Any, embed_model: Any, parts: List[str], why: str
+) -> None:
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, embed_model=embed_model, llm=_rewriting(parts), answer_mode="extract"
+    )
+    crag = engine.query(LISTED).metadata["crag"]
+    assert "parts" not in crag and crag["rewrite_parts"] == []
+    assert why in crag["rewrite_parts_refused"]
+    assert crag["rewritten_query"] and crag["rewrite_source"] == "llm"  # the rewrite itself was searched
+
+
+def test_checked_parts_keeps_a_name_whole_and_lets_a_comparison_through() -> None:
+    from llama_index_crag.core.rewrite import checked_parts
+
+    assert checked_parts("Who founded Procter and Gamble?", ("Who founded Procter?", "Who founded Gamble?"))[0] == ()
+    kept, refused = checked_parts(
+        "Which is older, Harvard or Yale?", ("When was Harvard founded?", "When was Yale founded?")
+    )
+    assert kept == ("When was Harvard founded?", "When was Yale founded?") and refused == ""
+    assert checked_parts(
+        "When was Pride and Prejudice published and who wrote Emma?",
+        ("When was Pride and Prejudice published?", "Who wrote Emma?"),
+    )[0]
+
+
+def test_a_retriever_alone_searches_the_rewrite_whole_and_only_records_its_parts(
+    sample_index: Any, embed_model: Any, sample: Dict[str, Dict[str, Any]]
+) -> None:
+    from llama_index.core.schema import QueryBundle
+
+    from llama_index_crag import CorrectiveRetriever
+
+    parts = [sample["q001"]["question"], sample["q006"]["question"]]
+    retriever = CorrectiveRetriever.from_defaults(index=sample_index, embed_model=embed_model, llm=_rewriting(parts))
+    from llama_index_crag.core.retriever import TRACE_KEY
+
+    nodes = retriever.retrieve(QueryBundle(LISTED))
+    trace = nodes[0].node.metadata[TRACE_KEY]
+    assert trace["rewrite_parts"] == parts and trace["rewritten_query"]
+    assert "questions in this one" not in (trace["abstain_reason"] or "")  # no answer step to put parts together

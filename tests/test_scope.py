@@ -582,3 +582,27 @@ def test_the_search_for_the_asked_entry_by_name_stays_inside_the_scope(embed_mod
         trace = response.metadata["crag"]
         assert trace["entry_search"] == "vat_max_age" and trace["abstained"], trace["abstain_reason"]
         assert _leaks(_readable(response)) == []
+
+
+def test_parts_found_by_the_llm_rewrite_stay_inside_the_scope(tenants_index: VectorStoreIndex) -> None:
+    # The rules leave this question whole; asked whole it grades INCORRECT, and the rewrite finds its two parts.
+    parts = ["What is the remote access policy of Acme?", "What does the travel policy of Globex reimburse?"]
+    rewrite = json.dumps({"query": "Acme remote access Globex travel rules", "parts": parts})
+    question = "What do Acme's remote access rules and Globex's travel rules say?"
+    unscoped = CorrectiveQueryEngine.from_defaults(
+        index=tenants_index, llm=ScriptedLLM(rewrite=rewrite), answer_mode="generate", **CREDULOUS
+    ).query(parts[1])
+    # Unbounded, Globex's part is answered from Globex's policy: what this test holds the part to the scope against.
+    assert _leaks(_readable(unscoped))
+    engine = CorrectiveQueryEngine.from_defaults(
+        index=tenants_index,
+        llm=GreedyRewrite(rewrite=rewrite),  # its answers repeat their whole prompt: what the LLM read is seen
+        filters={"tenant": "acme"},
+        answer_mode="generate",
+        **CREDULOUS,
+    )
+    for response in (engine.query(question), asyncio.run(engine.aquery(question))):
+        crag = response.metadata["crag"]
+        assert crag["split"]["by"] == "rewrite" and len(crag["parts"]) == 2
+        assert _leaks(_readable(response)) == []
+        assert "Kestrel VPN" in crag["parts"][0]["answer"]

@@ -7,13 +7,15 @@ answer it. The response's text numbers the parts; its sources are every answered
 part (``PART_KEY``); its trace is the first answered part's at the top (so what reads a trace's action and
 scores keeps working) with ``parts``: each part's question, answer, whether it abstained, its action and sources,
 and its whole trace; and ``split``: how many parts, how many past the cap were dropped, how many were answered,
-and the side each part of a comparison asks about (``sides``, empty for joined questions).
+the side each part of a comparison asks about (``sides``, empty for joined questions), what found the parts
+(``by``: "parser" or "rewrite"), and for parts found by the rewrite, the trace of the question asked whole
+(``whole``).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.schema import NodeWithScore
@@ -30,9 +32,15 @@ PART_NOT_ANSWERED = "The documents I can search do not answer this part."
 
 
 def combined(
-    split: Split, responses: Sequence[RESPONSE_TYPE], abstain_text: str, streaming: bool, is_async: bool
+    split: Split,
+    responses: Sequence[RESPONSE_TYPE],
+    abstain_text: str,
+    streaming: bool,
+    is_async: bool,
+    asked_whole: Optional[Dict[str, Any]] = None,
 ) -> RESPONSE_TYPE:
-    """One response for ``split``'s question from each part's (non-streamed) response."""
+    """One response for ``split``'s question from each part's (non-streamed) response; ``asked_whole`` is the
+    trace of the question asked whole, when its rewrite found the parts."""
     traces: List[Dict[str, Any]] = [dict((r.metadata or {}).get("crag") or {}) for r in responses]
     answered = [i for i, t in enumerate(traces) if not t.get("abstained")]
     sources: List[NodeWithScore] = []
@@ -73,7 +81,10 @@ def combined(
         "dropped": split.dropped,
         "answered": len(answered),
         "sides": list(split.subjects),
+        "by": split.by,
     }
+    if asked_whole is not None:
+        top["split"]["whole"] = asked_whole
     warnings = list(top.get("warnings") or [])
     if split.dropped:
         warnings.append(

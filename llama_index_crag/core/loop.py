@@ -52,7 +52,7 @@ from llama_index_crag.core.fallback import OUTSIDE_SCOPE_KEY, SOURCE_KEY, Fallba
 from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
 from llama_index_crag.core.prompts import quote_sources
 from llama_index_crag.core.refiner import StripRefiner
-from llama_index_crag.core.rewrite import QueryRewriter
+from llama_index_crag.core.rewrite import QueryRewriter, Rewrite
 from llama_index_crag.core.settings import CragSettings
 from llama_index_crag.core.trace import CragTrace, NodeGrade, step_span
 from llama_index_crag.errors import CorrectiveTimeout, GenerationError, InvalidQueryError, RewriteError
@@ -61,7 +61,7 @@ from llama_index_crag.scope import Scope, scoped_retriever
 from llama_index_crag.scorers.bi_encoder import reuse_retrieval_embeddings
 from llama_index_crag.scorers.language import language_warning
 from llama_index_crag.text.cleaning import clean_nodes, clean_text, is_blank
-from llama_index_crag.text.compound import split_question
+from llama_index_crag.text.compound import Split, split_question
 from llama_index_crag.web.retriever import WebSearchRetriever, collect_web_reports, is_web
 
 #: The engine's dispatcher: the loop's action event is the engine's, as its query span is.
@@ -152,16 +152,31 @@ class Loop:
     broadening: Optional[Broadening] = None
     postprocessors: Sequence[BaseNodePostprocessor] = field(default_factory=tuple)
     answering: Optional[Answering] = None
+    #: Whether parts found by the LLM's rewrite end this question's search (``run`` then asks each part alone);
+    #: off for a retriever, which has no answer step to put parts together.
+    parts_apart: bool = False
 
     # -- the engine's query ---------------------------------------------------------------------------------------
 
     def run(self, query_bundle: QueryBundle, is_async: bool) -> Steps[RESPONSE_TYPE]:
         """A question, answered; one that asks several things part by part, each part's loop in its own span
-        (``core/compound.py``). A single question costs one regular-expression pass more."""
+        (``core/compound.py``). The parts come from the rules of ``text/compound.py`` before retrieval, or, for a
+        question asked whole that graded INCORRECT, from the LLM's rewrite (``rewrite_parts``): that question is
+        then answered part by part instead of searched whole. A single question costs one regular-expression
+        pass more."""
         s, answering = self.settings, self._answering()
-        split = split_question(query_bundle.query_str, s.max_parts) if s.enabled and s.split_compound else None
+        splits = s.enabled and s.split_compound
+        split = split_question(query_bundle.query_str, s.max_parts) if splits else None
+        first: Optional[RESPONSE_TYPE] = None
         if split is None or not split.compound:
-            return (yield from self.one(query_bundle, is_async))
+            if not splits or self.rewriter is None:
+                return (yield from self.one(query_bundle, is_async))
+            first = yield from replace(self, parts_apart=True).one(query_bundle, is_async)
+            found = list(((first.metadata or {}).get("crag") or {}).get("rewrite_parts") or [])
+            if len(found) < 2:
+                return first
+            kept = found[: s.max_parts]
+            split = Split(query_bundle.query_str, kept, len(found) - len(kept), by="rewrite")
         # Each part is answered whole (its check run), then the parts are put together and streamed in one piece.
         whole = replace(self, answering=answering.streamed(False))
         responses = []
@@ -172,7 +187,8 @@ class Loop:
                 crag = (response.metadata or {}).get("crag") or {}
                 span.outcome = "abstained" if crag.get("abstained") else str(crag.get("action"))
             responses.append(response)
-        return combined(split, responses, s.abstain_text, answering.streaming, is_async)
+        asked_whole = dict((first.metadata or {}).get("crag") or {}) if first is not None else None
+        return combined(split, responses, s.abstain_text, answering.streaming, is_async, asked_whole)
 
     def one(self, query_bundle: QueryBundle, is_async: bool) -> Steps[RESPONSE_TYPE]:
         """One question: the evidence, corrected, then the answer from it."""
@@ -284,6 +300,11 @@ class Loop:
                     break
                 tried.add(search.casefold())
                 trace.rewrites, trace.rewritten_query = attempt + 1, search
+                if self.parts_apart and trace.rewrite_parts:
+                    trace.abstain(
+                        f"the rewrite found {len(trace.rewrite_parts)} questions in this one; each is asked on its own"
+                    )
+                    return []
             try:
                 hits = yield from self.search_fallback(query_bundle, search, deadline, trace)
             except CorrectiveTimeout:
@@ -327,9 +348,13 @@ class Loop:
             rewriter = self.rewriter
             own = self.settings.rewrite_timeout_s or self.settings.correction_timeout_s / 2
             try:
-                rewritten = yield io(rewriter.rewrite, rewriter.arewrite, search, limit=min(left(deadline), own))
+                rewritten: Rewrite = yield io(
+                    rewriter.rewrite_parts, rewriter.arewrite_parts, search, limit=min(left(deadline), own)
+                )
                 trace.rewrite_source = "llm"
-                return str(rewritten)
+                if search == question:  # a later attempt rewrites a rewrite: its parts are not the question's
+                    trace.rewrite_parts, trace.rewrite_parts_refused = list(rewritten.parts), rewritten.parts_refused
+                return rewritten.query
             except RewriteError as exc:
                 trace.rewrite_error = str(exc)
             except CorrectiveTimeout:

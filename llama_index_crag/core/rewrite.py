@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Iterator, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterator, List, Optional, Tuple
 
 from llama_index.core.bridge.pydantic import BaseModel, Field
 from llama_index.core.instrumentation import get_dispatcher
@@ -24,17 +26,43 @@ DEFAULT_REWRITE_PROMPT = PromptTemplate(
     "You rewrite search queries so that a document search finds the passages that answer them.\n"
     "Expand abbreviations, add the full names of the people, products and organisations the query "
     "refers to, keep its meaning and its language. Do not answer the question.\n"
-    'Reply with JSON only, in the form {{"query": "..."}}.\n'
+    "When the query asks several separate things, also write each one as a complete question of its own "
+    'in "parts"; otherwise leave "parts" empty.\n'
+    'Reply with JSON only, in the form {{"query": "...", "parts": []}}.\n'
     "Query: {query_str}\n"
 )
 #: The variables a rewrite template may use for the query: LlamaIndex's name, and the one this prompt had before.
 QUERY_VARIABLES = ("query_str", "query")
 
 
+#: The most parts the rewrite's schema lets a model write (a small model repeats one word until its token cap).
+MAX_REWRITE_PARTS = 6
+
+
 class RewrittenQuery(BaseModel):
-    """A search query rewritten for better retrieval."""
+    """A search query rewritten for better retrieval, and its parts when it asks several things."""
 
     query: str = Field(description="The rewritten search query, in the language of the original.")
+    parts: List[str] = Field(
+        default_factory=list,
+        description="Each separate thing the query asks, as a complete question of its own; empty for one question.",
+        json_schema_extra={"maxItems": MAX_REWRITE_PARTS},
+    )
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """A checked rewrite: the query to search with, and the questions it asks when the model found several.
+
+    ``parts`` holds two or more questions only when they passed ``checked_parts``; ``parts_refused`` says why
+    the model's parts were not used (empty when it wrote none, or when they were used).
+    """
+
+    query: str
+    parts: Tuple[str, ...] = ()
+    parts_refused: str = ""
+    #: Parts the model wrote that were kept for the record although refused (the trace shows them).
+    written: Tuple[str, ...] = field(default=())
 
 
 class QueryRewriter(PromptMixin):
@@ -71,6 +99,15 @@ class QueryRewriter(PromptMixin):
 
     def rewrite(self, query: str) -> str:
         """Return the rewritten query or raise ``RewriteError``."""
+        return self.rewrite_parts(query).query
+
+    async def arewrite(self, query: str) -> str:
+        """Async ``rewrite``: awaits the LLM."""
+        return (await self.arewrite_parts(query)).query
+
+    def rewrite_parts(self, query: str) -> Rewrite:
+        """The rewritten query, with the questions it asks when the model wrote several that pass
+        ``checked_parts``; raises ``RewriteError`` as ``rewrite``. Refused parts do not fail the rewrite."""
         try:
             with _ended_on_failure():
                 result = self.llm.structured_predict(RewrittenQuery, self.prompt, query_str=query, query=query)
@@ -78,8 +115,8 @@ class QueryRewriter(PromptMixin):
             raise self._failure(exc) from exc
         return _checked(query, result)
 
-    async def arewrite(self, query: str) -> str:
-        """Async ``rewrite``: awaits the LLM."""
+    async def arewrite_parts(self, query: str) -> Rewrite:
+        """Async ``rewrite_parts``: awaits the LLM."""
         try:
             with _ended_on_failure():
                 result = await self.llm.astructured_predict(RewrittenQuery, self.prompt, query_str=query, query=query)
@@ -145,7 +182,7 @@ def _ended_on_failure() -> Iterator[None]:
         _open_starts.reset(token)
 
 
-def _checked(query: str, result: object) -> str:
+def _checked(query: str, result: object) -> Rewrite:
     if not isinstance(result, RewrittenQuery):
         raise RewriteError(f"the rewrite returned {type(result).__name__}, not RewrittenQuery")
     rewritten = " ".join(clean_text(result.query).split())
@@ -156,4 +193,47 @@ def _checked(query: str, result: object) -> str:
     asked = set(terms(query))
     if asked and not asked & set(terms(rewritten)):
         raise RewriteError(f"the rewrite kept none of the query's words: {rewritten[:120]!r}")
-    return rewritten
+    written = tuple(" ".join(clean_text(str(part)).split()) for part in result.parts or [])
+    if not written:
+        return Rewrite(rewritten)
+    parts, refused = checked_parts(query, written)
+    return Rewrite(rewritten, parts, refused, written)
+
+
+#: Two capitalised words joined by "and" or "&": maybe one name ("Procter and Gamble"), which no split may break.
+_JOINED_NAME = re.compile(r"\b[A-Z][\w'’.-]*(?:\s+[A-Z][\w'’.-]*)*\s+(?:and|&)\s+[A-Z][\w'’.-]*")
+
+
+def checked_parts(query: str, parts: Tuple[str, ...]) -> Tuple[Tuple[str, ...], str]:
+    """``parts`` when they read as the separate questions ``query`` asks, else none and why not.
+
+    A small model fills the list with the query's words one by one, one phrase repeated, or the query itself;
+    a wrong split costs a whole answer, so every part must read as a question of its own: three words or more,
+    one of the query's content words at least, not another part's words over again (nor a part of them), not
+    the whole query; together the parts must keep what the query asks (half its content words at least: a
+    model words a part its own way); and a name the query joins with "and" ("Procter and Gamble", "Pride and
+    Prejudice") must stay whole in some part (which also keeps "When were Harvard and Yale founded?" asked
+    whole: the safe side).
+    """
+    kept = [p for p in parts if p]
+    if len(kept) < 2:
+        return (), "fewer than two parts"
+    whole = " ".join(query.split()).casefold()
+    asked = set(terms(query))
+    seen: List[frozenset] = []
+    for part in kept:
+        words = frozenset(terms(part))
+        if part.casefold().rstrip("?") == whole.rstrip("?"):
+            return (), f"a part is the whole query: {part[:80]!r}"
+        if len(part.split()) < 3 or not words & asked:
+            return (), f"a part is not a question of the query's: {part[:80]!r}"
+        if any(words <= other or other <= words for other in seen):
+            return (), f"a part repeats another's words: {part[:80]!r}"
+        seen.append(words)
+    for name in _JOINED_NAME.findall(query):
+        if not any(" ".join(name.split()).casefold() in part.casefold() for part in kept):
+            return (), f"the parts break the name {name!r}"
+    covered = set().union(*seen) & asked
+    if asked and len(covered) < len(asked) / 2:
+        return (), f"the parts keep {len(covered)} of the query's {len(asked)} words"
+    return tuple(kept), ""

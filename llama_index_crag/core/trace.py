@@ -157,6 +157,10 @@ class CragTrace:
     rewrite_error: Optional[str] = None
     #: Which rewrite was searched with: "llm" (the generator's JSON rewrite) or "keyword" (its deterministic fallback).
     rewrite_source: Optional[str] = None
+    #: The questions the LLM's rewrite found in the query, when they passed its check (each is then asked alone).
+    rewrite_parts: List[str] = field(default_factory=list)
+    #: Why the parts the LLM's rewrite wrote were not used ("" when it wrote none or they were used).
+    rewrite_parts_refused: str = ""
     fallback_sources: List[str] = field(default_factory=list)
     fallback_error: Optional[str] = None
     #: Each web search of the fallback: provider, the exact query sent, pages fetched and refused (see WebReport).

@@ -82,6 +82,9 @@ class Split:
     #: Each part's subject: the side of a comparison it asks about ("Harvard"), "" for a part that is a question
     #: of its own; empty when no part is a side.
     subjects: List[str] = field(default_factory=list)
+    #: What found the parts: "parser" (the rules here, before retrieval) or "rewrite" (the LLM's rewrite, on the
+    #: INCORRECT branch of the question asked whole).
+    by: str = "parser"
 
     def subject(self, part: int) -> str:
         """The side of a comparison part ``part`` (0-based) asks about, or ""."""
