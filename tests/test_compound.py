@@ -406,3 +406,23 @@ def test_a_retriever_alone_searches_the_rewrite_whole_and_only_records_its_parts
     trace = nodes[0].node.metadata[TRACE_KEY]
     assert trace["rewrite_parts"] == parts and trace["rewritten_query"]
     assert "questions in this one" not in (trace["abstain_reason"] or "")  # no answer step to put parts together
+
+
+def test_without_the_split_the_rewrite_asks_for_the_query_alone(sample_index: Any, embed_model: Any) -> None:
+    seen: List[str] = []
+
+    def rewrite(prompt: str) -> str:
+        seen.append(prompt)
+        return json.dumps({"query": "Harbor Analytics CEO name and Q4 2023 net revenue retention"})
+
+    from tests.conftest import ScriptedLLM
+
+    for split in (True, False):
+        seen.clear()
+        engine = CorrectiveQueryEngine.from_defaults(
+            index=sample_index, embed_model=embed_model, llm=ScriptedLLM(rewrite=rewrite), split_compound=split
+        )
+        crag = engine.query(LISTED).metadata["crag"]
+        assert seen and crag["rewrite_source"] == "llm"
+        # A small model writes parts when asked and takes longer: asked only where the split would read them.
+        assert ('"parts"' in seen[0]) is split, seen[0]

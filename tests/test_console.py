@@ -41,6 +41,8 @@ pytestmark = pytest.mark.slow
 CORRECT = "What is the monthly uptime SLA for Harbor Pro?"
 AMBIGUOUS = "What does Harbor's engineering site in the largest city do?"
 INCORRECT = "Who wrote the novel Moby-Dick?"
+#: Two questions joined: the rules split it, each part answered on its own.
+COMPOUND = "Who is the CEO of Harbor Analytics, and what is the monthly uptime SLA for Harbor Pro?"
 #: A document of markup that must come back to the page as text, and a question that retrieves it.
 MARKUP_DOC_ID = "quillfeather-test-page"
 MARKUP_TEXT = (
@@ -492,3 +494,18 @@ def test_a_refused_query_shows_the_servers_error(browser: WebDriver, engine: Any
         error = browser.find_element(By.ID, "error")
         assert error.is_displayed() and "query_too_long" in error.text and "over the limit of 20" in error.text
         assert browser.find_element(By.ID, "result").get_attribute("data-query-id") is None
+
+
+def test_a_compound_question_lists_its_parts_and_what_found_them(browser: WebDriver, server: LiveServer) -> None:
+    open_console(browser, server.url)
+    result = stored(server, ask(browser, COMPOUND))
+    crag = result["crag"]
+    assert crag["split"]["parts"] == 2 and crag["split"]["by"] == "parser"
+    summary = browser.find_element(By.ID, "summary")
+    terms = [e.text for e in summary.find_elements(By.TAG_NAME, "dt")]
+    values = [e.text for e in summary.find_elements(By.TAG_NAME, "dd")]
+    shown = dict(zip(terms, values))
+    assert shown["Question split"].startswith(f"2 parts (found in the question's wording), {crag['split']['answered']}")
+    for part in crag["parts"]:
+        state = "not answered" if part["abstained"] else part["action"]
+        assert shown[f"Part {part['part']}"] == f"{part['question']} ({state})"

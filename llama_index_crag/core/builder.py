@@ -124,7 +124,7 @@ def retriever_parts(
         "grader": grader,
         "refiner": refiner,
         "fallback": fallback,
-        "rewriter": QueryRewriter(llm) if llm is not None else None,
+        "rewriter": QueryRewriter(llm, parts=resolved.split_compound) if llm is not None else None,
         "settings": resolved,
         "node_postprocessors": node_postprocessors,
         "callback_manager": callback_manager,

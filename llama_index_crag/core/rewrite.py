@@ -22,14 +22,20 @@ from llama_index_crag.templates import checked_template
 from llama_index_crag.text.cleaning import clean_text
 from llama_index_crag.text.split import terms
 
-DEFAULT_REWRITE_PROMPT = PromptTemplate(
+_REWRITE_INSTRUCTIONS = (
     "You rewrite search queries so that a document search finds the passages that answer them.\n"
     "Expand abbreviations, add the full names of the people, products and organisations the query "
     "refers to, keep its meaning and its language. Do not answer the question.\n"
-    "When the query asks several separate things, also write each one as a complete question of its own "
-    'in "parts"; otherwise leave "parts" empty.\n'
+)
+DEFAULT_REWRITE_PROMPT = PromptTemplate(
+    _REWRITE_INSTRUCTIONS + "When the query asks several separate things, also write each one as a complete question "
+    'of its own in "parts"; otherwise leave "parts" empty.\n'
     'Reply with JSON only, in the form {{"query": "...", "parts": []}}.\n'
     "Query: {query_str}\n"
+)
+#: The rewrite prompt that asks for no parts (``split_compound=False``: nothing would read them).
+QUERY_ONLY_REWRITE_PROMPT = PromptTemplate(
+    _REWRITE_INSTRUCTIONS + 'Reply with JSON only, in the form {{"query": "..."}}.\n' + "Query: {query_str}\n"
 )
 #: The variables a rewrite template may use for the query: LlamaIndex's name, and the one this prompt had before.
 QUERY_VARIABLES = ("query_str", "query")
@@ -48,6 +54,12 @@ class RewrittenQuery(BaseModel):
         description="Each separate thing the query asks, as a complete question of its own; empty for one question.",
         json_schema_extra={"maxItems": MAX_REWRITE_PARTS},
     )
+
+
+class SearchQuery(BaseModel):
+    """A search query rewritten for better retrieval (the schema when no parts are asked for)."""
+
+    query: str = Field(description="The rewritten search query, in the language of the original.")
 
 
 @dataclass(frozen=True)
@@ -73,19 +85,27 @@ class QueryRewriter(PromptMixin):
     unchanged (retrying the same query cannot change the result), or it kept none of
     the query's words (a small model's noise, such as a run of digits).
 
+    With ``parts`` (the engine's ``split_compound``), the model is also asked for the questions the query asks
+    (``RewrittenQuery.parts``, checked by ``checked_parts``); without, for the query alone (``SearchQuery``), which
+    costs a small model less time.
+
     Args:
         llm: The LLM to rewrite with (the engine's generator by default).
         prompt: A template with a ``{query_str}`` variable (``{query}`` is also read); a prompt
             module of the engine (``engine.get_prompts()["rewrite:rewrite_prompt"]``, changed with
-            ``update_prompts``, which checks the new template's variables).
+            ``update_prompts``, which checks the new template's variables). Default: ``DEFAULT_REWRITE_PROMPT``,
+            or ``QUERY_ONLY_REWRITE_PROMPT`` without ``parts``.
+        parts: Ask for the query's parts too.
 
     Raises:
         ConfigError: The template has no query variable, or needs one the rewrite cannot fill.
     """
 
-    def __init__(self, llm: LLM, prompt: BasePromptTemplate = DEFAULT_REWRITE_PROMPT) -> None:
+    def __init__(self, llm: LLM, prompt: Optional[BasePromptTemplate] = None, parts: bool = True) -> None:
         self.llm = llm
-        self.prompt = _checked_prompt(prompt)
+        self.parts = parts
+        self.prompt = _checked_prompt(prompt or (DEFAULT_REWRITE_PROMPT if parts else QUERY_ONLY_REWRITE_PROMPT))
+        self._schema: Any = RewrittenQuery if parts else SearchQuery
 
     def _get_prompts(self) -> PromptDictType:
         return {"rewrite_prompt": self.prompt}
@@ -110,7 +130,7 @@ class QueryRewriter(PromptMixin):
         ``checked_parts``; raises ``RewriteError`` as ``rewrite``. Refused parts do not fail the rewrite."""
         try:
             with _ended_on_failure():
-                result = self.llm.structured_predict(RewrittenQuery, self.prompt, query_str=query, query=query)
+                result = self.llm.structured_predict(self._schema, self.prompt, query_str=query, query=query)
         except Exception as exc:
             raise self._failure(exc) from exc
         return _checked(query, result)
@@ -119,7 +139,7 @@ class QueryRewriter(PromptMixin):
         """Async ``rewrite_parts``: awaits the LLM."""
         try:
             with _ended_on_failure():
-                result = await self.llm.astructured_predict(RewrittenQuery, self.prompt, query_str=query, query=query)
+                result = await self.llm.astructured_predict(self._schema, self.prompt, query_str=query, query=query)
         except Exception as exc:
             raise self._failure(exc) from exc
         return _checked(query, result)
@@ -183,7 +203,7 @@ def _ended_on_failure() -> Iterator[None]:
 
 
 def _checked(query: str, result: object) -> Rewrite:
-    if not isinstance(result, RewrittenQuery):
+    if not isinstance(result, (RewrittenQuery, SearchQuery)):
         raise RewriteError(f"the rewrite returned {type(result).__name__}, not RewrittenQuery")
     rewritten = " ".join(clean_text(result.query).split())
     if not rewritten:
@@ -193,7 +213,7 @@ def _checked(query: str, result: object) -> Rewrite:
     asked = set(terms(query))
     if asked and not asked & set(terms(rewritten)):
         raise RewriteError(f"the rewrite kept none of the query's words: {rewritten[:120]!r}")
-    written = tuple(" ".join(clean_text(str(part)).split()) for part in result.parts or [])
+    written = tuple(" ".join(clean_text(str(part)).split()) for part in getattr(result, "parts", None) or [])
     if not written:
         return Rewrite(rewritten)
     parts, refused = checked_parts(query, written)
@@ -209,11 +229,11 @@ def checked_parts(query: str, parts: Tuple[str, ...]) -> Tuple[Tuple[str, ...], 
 
     A small model fills the list with the query's words one by one, one phrase repeated, or the query itself;
     a wrong split costs a whole answer, so every part must read as a question of its own: three words or more,
-    one of the query's content words at least, not another part's words over again (nor a part of them), not
-    the whole query; together the parts must keep what the query asks (half its content words at least: a
-    model words a part its own way); and a name the query joins with "and" ("Procter and Gamble", "Pride and
-    Prejudice") must stay whole in some part (which also keeps "When were Harvard and Yale founded?" asked
-    whole: the safe side).
+    one of the query's content words at least, not twice the query's length, not another part's words over
+    again (nor a part of them), not the whole query. Together the parts must keep what the query asks (half
+    its content words at least: a model words a part its own way), and a name the query joins with "and"
+    ("Procter and Gamble", "Pride and Prejudice") must stay whole in some part (which also keeps "When were
+    Harvard and Yale founded?" asked whole: the safe side).
     """
     kept = [p for p in parts if p]
     if len(kept) < 2:
@@ -225,6 +245,8 @@ def checked_parts(query: str, parts: Tuple[str, ...]) -> Tuple[Tuple[str, ...], 
         words = frozenset(terms(part))
         if part.casefold().rstrip("?") == whole.rstrip("?"):
             return (), f"a part is the whole query: {part[:80]!r}"
+        if len(part) > 2 * len(query) + 100:
+            return (), f"a part is longer than the query twice over: {part[:80]!r}"
         if len(part.split()) < 3 or not words & asked:
             return (), f"a part is not a question of the query's: {part[:80]!r}"
         if any(words <= other or other <= words for other in seen):

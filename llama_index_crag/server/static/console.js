@@ -296,6 +296,16 @@
     if (crag.rewrite_source) items.push(["Rewrite", crag.rewrite_source === "keyword" ? "keywords of the question" : "by the LLM"]);
     if (crag.rewrite_error) items.push(["Rewrite failed", crag.rewrite_error]);
     if (crag.fallback_error) items.push(["Fallback failed", crag.fallback_error]);
+    const split = crag.split;
+    if (split) {
+      const found = split.by === "rewrite" ? "found by the LLM's rewrite" : "found in the question's wording";
+      items.push(["Question split", split.parts + " parts (" + found + "), " + split.answered + " answered" +
+        (split.dropped ? ", " + split.dropped + " dropped" : "")]);
+      for (const part of crag.parts || []) {
+        items.push(["Part " + part.part, part.question + " (" + (part.abstained ? "not answered" : part.action) + ")"]);
+      }
+    }
+    if (crag.rewrite_parts_refused) items.push(["Rewrite's parts refused", crag.rewrite_parts_refused]);
     return items.flatMap(([term, value]) => [el("dt", { text: term }), el("dd", { text: value })]);
   }
 
