@@ -4,7 +4,8 @@ The INCORRECT branch's rewrite asks the model for the questions a query asks (``
 model fills that list with noise, and each token it writes costs time on a CPU. For each question of one half of
 each set given (the check half by default) that the rules of ``text/compound.py`` leave whole, the generator
 rewrites it twice, in turn: without parts (``QueryRewriter(llm, parts=False)``: the prompt and schema as they
-were before parts, what ``split_compound=False`` asks) and with them (the default). Printed: each call's time
+were before parts, what ``split_compound=False`` asks) and as the engine does now (parts asked of a question that
+could ask several things, ``may_ask_several``). Printed: each call's time
 (median and p95) on both sides, how often each side's rewrite is usable (``RewriteError`` otherwise: unchanged,
 empty, none of the query's words), how often the model wrote parts, and how often they passed ``checked_parts``
 (each one used is printed, to be read).
@@ -32,7 +33,7 @@ from llama_index_crag.core.rewrite import QueryRewriter, Rewrite  # noqa: E402
 from llama_index_crag.datasets import load_questions  # noqa: E402
 from llama_index_crag.errors import RewriteError  # noqa: E402
 from llama_index_crag.evaluation.raw_docs import load_doc_questions, split_set  # noqa: E402
-from llama_index_crag.text.compound import split_question  # noqa: E402
+from llama_index_crag.text.compound import may_ask_several, split_question  # noqa: E402
 
 
 def questions(folder: Path, half: str) -> List[str]:
@@ -74,6 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if split_question(question).compound:
                 counts[name]["split by the rules (not rewritten)"] += 1
                 continue
+            counts[name]["now: parts asked (may ask several)"] += may_ask_several(question)
             for side, rewriter in (("before", before), ("now", now)):
                 start = time.perf_counter()
                 try:

@@ -413,7 +413,7 @@ def test_without_the_split_the_rewrite_asks_for_the_query_alone(sample_index: An
 
     def rewrite(prompt: str) -> str:
         seen.append(prompt)
-        return json.dumps({"query": "Harbor Analytics CEO name and Q4 2023 net revenue retention"})
+        return json.dumps({"query": "Harbor Analytics CEO name, Q4 2023 NRR; the novel Moby-Dick"})
 
     from tests.conftest import ScriptedLLM
 
@@ -426,3 +426,25 @@ def test_without_the_split_the_rewrite_asks_for_the_query_alone(sample_index: An
         assert seen and crag["rewrite_source"] == "llm"
         # A small model writes parts when asked and takes longer: asked only where the split would read them.
         assert ('"parts"' in seen[0]) is split, seen[0]
+        # ... and only of a question that could ask several things.
+        seen.clear()
+        assert engine.query("Who wrote the novel Moby-Dick?").metadata["crag"]["rewrite_source"] == "llm"
+        assert seen and '"parts"' not in seen[0]
+
+
+def test_a_question_without_a_joining_word_a_comma_or_two_question_marks_asks_one_thing() -> None:
+    from llama_index_crag.text.compound import may_ask_several
+
+    for question in [
+        "What are the default values of max_connections and max_locks_per_transaction?",
+        "Which is older, Harvard or Yale?",
+        "How big is it? Who made it?",
+        "What do the CLI and the API support as well as Parquet?",
+        "Which formats; which tools?",
+    ]:
+        assert may_ask_several(question), question
+    for question in ["Who wrote Moby-Dick?", "What is the default work_mem?", "How many candidates stand?"]:
+        assert not may_ask_several(question), question
+    # Whatever the rules split could ask several things.
+    for question in ["When was the university founded, and who designed the cathedral?", LISTED]:
+        assert may_ask_several(question)

@@ -20,6 +20,7 @@ from llama_index_crag.errors import RewriteError
 from llama_index_crag.local.models import describe_llm
 from llama_index_crag.templates import checked_template
 from llama_index_crag.text.cleaning import clean_text
+from llama_index_crag.text.compound import may_ask_several
 from llama_index_crag.text.split import terms
 
 _REWRITE_INSTRUCTIONS = (
@@ -85,16 +86,19 @@ class QueryRewriter(PromptMixin):
     unchanged (retrying the same query cannot change the result), or it kept none of
     the query's words (a small model's noise, such as a run of digits).
 
-    With ``parts`` (the engine's ``split_compound``), the model is also asked for the questions the query asks
-    (``RewrittenQuery.parts``, checked by ``checked_parts``); without, for the query alone (``SearchQuery``), which
-    costs a small model less time.
+    With ``parts`` (the engine's ``split_compound``), the model is also asked for the questions a query asks
+    (``RewrittenQuery.parts``, checked by ``checked_parts``) when the query could ask several
+    (``text.compound.may_ask_several``: a joining word, a comma, two question marks); otherwise it is asked for
+    the query alone (``SearchQuery``, ``QUERY_ONLY_REWRITE_PROMPT``): a small model writes a list when it is
+    asked for one, and each token costs time.
 
     Args:
         llm: The LLM to rewrite with (the engine's generator by default).
         prompt: A template with a ``{query_str}`` variable (``{query}`` is also read); a prompt
             module of the engine (``engine.get_prompts()["rewrite:rewrite_prompt"]``, changed with
-            ``update_prompts``, which checks the new template's variables). Default: ``DEFAULT_REWRITE_PROMPT``,
-            or ``QUERY_ONLY_REWRITE_PROMPT`` without ``parts``.
+            ``update_prompts``, which checks the new template's variables). Default: ``DEFAULT_REWRITE_PROMPT``
+            for a query that could ask several things, ``QUERY_ONLY_REWRITE_PROMPT`` otherwise; a prompt of your
+            own is used for every query (with the schema that asks for parts where they are asked).
         parts: Ask for the query's parts too.
 
     Raises:
@@ -105,7 +109,14 @@ class QueryRewriter(PromptMixin):
         self.llm = llm
         self.parts = parts
         self.prompt = _checked_prompt(prompt or (DEFAULT_REWRITE_PROMPT if parts else QUERY_ONLY_REWRITE_PROMPT))
-        self._schema: Any = RewrittenQuery if parts else SearchQuery
+        self._own_prompt = prompt is not None
+
+    def _asked(self, query: str) -> Tuple[Any, BasePromptTemplate]:
+        """The schema and prompt for ``query``: parts asked only of a query that could ask several things."""
+        several = self.parts and may_ask_several(query)
+        if self._own_prompt:
+            return (RewrittenQuery if several else SearchQuery), self.prompt
+        return (RewrittenQuery, DEFAULT_REWRITE_PROMPT) if several else (SearchQuery, QUERY_ONLY_REWRITE_PROMPT)
 
     def _get_prompts(self) -> PromptDictType:
         return {"rewrite_prompt": self.prompt}
@@ -116,6 +127,7 @@ class QueryRewriter(PromptMixin):
     def _update_prompts(self, prompts_dict: PromptDictType) -> None:
         if "rewrite_prompt" in prompts_dict:
             self.prompt = _checked_prompt(prompts_dict["rewrite_prompt"])
+            self._own_prompt = True
 
     def rewrite(self, query: str) -> str:
         """Return the rewritten query or raise ``RewriteError``."""
@@ -128,18 +140,20 @@ class QueryRewriter(PromptMixin):
     def rewrite_parts(self, query: str) -> Rewrite:
         """The rewritten query, with the questions it asks when the model wrote several that pass
         ``checked_parts``; raises ``RewriteError`` as ``rewrite``. Refused parts do not fail the rewrite."""
+        schema, prompt = self._asked(query)
         try:
             with _ended_on_failure():
-                result = self.llm.structured_predict(self._schema, self.prompt, query_str=query, query=query)
+                result = self.llm.structured_predict(schema, prompt, query_str=query, query=query)
         except Exception as exc:
             raise self._failure(exc) from exc
         return _checked(query, result)
 
     async def arewrite_parts(self, query: str) -> Rewrite:
         """Async ``rewrite_parts``: awaits the LLM."""
+        schema, prompt = self._asked(query)
         try:
             with _ended_on_failure():
-                result = await self.llm.astructured_predict(self._schema, self.prompt, query_str=query, query=query)
+                result = await self.llm.astructured_predict(schema, prompt, query_str=query, query=query)
         except Exception as exc:
             raise self._failure(exc) from exc
         return _checked(query, result)

@@ -95,6 +95,17 @@ class Split:
         return len(self.parts) > 1
 
 
+#: What a question that asks several things holds: a joining word, a comma or semicolon, or two question marks.
+_MAY_ASK_SEVERAL = re.compile(r"\b(?:and|or|as well as|also|plus|both|versus|vs)\b|[,;&/]|\?\s*\S.*\?", re.IGNORECASE)
+
+
+def may_ask_several(question: str) -> bool:
+    """Whether ``question`` could ask several things at all: without a joining word ("and", "or", "as well
+    as", ...), a comma, a semicolon or a second question mark it asks one. Looser than ``split_question``: it
+    says where an LLM may be asked for the parts the rules did not find."""
+    return bool(_MAY_ASK_SEVERAL.search(question))
+
+
 def split_question(question: str, max_parts: int = MAX_PARTS) -> Split:
     """``question``'s parts when it asks several things (see the module), else itself alone."""
     text = " ".join(question.split())
