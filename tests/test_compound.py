@@ -448,3 +448,30 @@ def test_a_question_without_a_joining_word_a_comma_or_two_question_marks_asks_on
     # Whatever the rules split could ask several things.
     for question in ["When was the university founded, and who designed the cathedral?", LISTED]:
         assert may_ask_several(question)
+
+
+def test_the_parts_share_one_correction_budget(sample_index: Any, embed_model: Any) -> None:
+    import time
+
+    from tests.conftest import ScriptedLLM
+
+    def slow(prompt: str) -> str:
+        time.sleep(2.5)  # a large model on a busy CPU
+        return json.dumps({"query": "Moby-Dick novel author; Berlin Wall fall year"})
+
+    question = "Who wrote the novel Moby-Dick, and when did the Berlin Wall fall?"  # both parts INCORRECT
+    budgets = {"correction_timeout_s": 4.0, "rewrite_timeout_s": 3.5}
+    shared = CorrectiveQueryEngine.from_defaults(
+        index=sample_index, embed_model=embed_model, llm=ScriptedLLM(rewrite=slow), **budgets
+    )
+    crag = shared.query(question).metadata["crag"]
+    first, second = crag["parts"]
+    assert first["trace"]["rewrite_source"] == "llm", first["trace"]["rewrite_error"]  # it fits the budget ...
+    # ... and leaves the second too little: it abstains on the budget instead of taking 2 s more.
+    assert "correction budget" in second["trace"]["abstain_reason"], second["trace"]["abstain_reason"]
+    assert any("share one correction budget of 4 s" in w and "part 2" in w for w in crag["warnings"])
+    # Asked alone, the same part has the whole budget for its rewrite (once the rewrite the second part abandoned
+    # has let go of the model; the same engine, its fallback built).
+    time.sleep(2.6)
+    alone = shared.query("When did the Berlin Wall fall?").metadata["crag"]
+    assert alone["rewrite_source"] == "llm" and "correction budget" not in (alone["abstain_reason"] or "")

@@ -178,17 +178,31 @@ class Loop:
             kept = found[: s.max_parts]
             split = Split(query_bundle.query_str, kept, len(found) - len(kept), by="rewrite")
         # Each part is answered whole (its check run), then the parts are put together and streamed in one piece.
+        # The parts share the question's one correction budget: what a part's rewrite, fallback and regrade
+        # spent (and the whole question's, when its rewrite found the parts) is not there for the next.
         whole = replace(self, answering=answering.streamed(False))
-        responses = []
+        asked_whole = dict((first.metadata or {}).get("crag") or {}) if first is not None else None
+        budget = s.correction_timeout_s - correction_spent_s(asked_whole or {})
+        responses, spent_before = [], 0
         for number, part in enumerate(split.parts, start=1):
+            if budget <= 0 and not spent_before:
+                spent_before = number
+            # A spent budget leaves a part a token of time: a part that needs no correction is still answered.
+            part_loop = replace(whole, settings=s.model_copy(update={"correction_timeout_s": max(budget, 1e-3)}))
             with step_span("part", part=number, parts=len(split.parts)) as span:
-                response = yield from whole.one(QueryBundle(part), is_async)
+                response = yield from part_loop.one(QueryBundle(part), is_async)
                 keep_to_subject(response, split, number - 1)
                 crag = (response.metadata or {}).get("crag") or {}
                 span.outcome = "abstained" if crag.get("abstained") else str(crag.get("action"))
+            budget -= correction_spent_s(crag)
             responses.append(response)
-        asked_whole = dict((first.metadata or {}).get("crag") or {}) if first is not None else None
-        return combined(split, responses, s.abstain_text, answering.streaming, is_async, asked_whole)
+        response = combined(split, responses, s.abstain_text, answering.streaming, is_async, asked_whole)
+        if spent_before:
+            (response.metadata or {})["crag"]["warnings"].append(
+                f"the parts share one correction budget of {s.correction_timeout_s:g} s (correction_timeout_s); "
+                f"it was spent before part {spent_before}"
+            )
+        return response
 
     def one(self, query_bundle: QueryBundle, is_async: bool) -> Steps[RESPONSE_TYPE]:
         """One question: the evidence, corrected, then the answer from it."""
@@ -670,6 +684,16 @@ def describe(name: str, result: Any, trace: CragTrace) -> Tuple[str, Dict[str, i
     if isinstance(result, AnswerCheck):
         return (result.status if result.grounded is None else "grounded" if result.grounded else "ungrounded"), {}
     return "", {}
+
+
+#: The stages the correction budget bounds.
+BUDGETED_STAGES = ("rewrite", "fallback", "regrade")
+
+
+def correction_spent_s(trace: Dict[str, Any]) -> float:
+    """Seconds a question's trace spent on the stages ``correction_timeout_s`` bounds."""
+    timings = trace.get("timings_ms") or {}
+    return sum(float(timings.get(stage) or 0.0) for stage in BUDGETED_STAGES) / 1000.0
 
 
 def checked_query(query_bundle: QueryBundle, max_chars: int) -> QueryBundle:
