@@ -74,7 +74,7 @@ class Rewrite:
     query: str
     parts: Tuple[str, ...] = ()
     parts_refused: str = ""
-    #: Parts the model wrote that were kept for the record although refused (the trace shows them).
+    #: Every part the model wrote, used or refused (``parts`` holds them only when they passed).
     written: Tuple[str, ...] = field(default=())
 
 
