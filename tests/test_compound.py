@@ -475,3 +475,18 @@ def test_the_parts_share_one_correction_budget(sample_index: Any, embed_model: A
     time.sleep(2.6)
     alone = shared.query("When did the Berlin Wall fall?").metadata["crag"]
     assert alone["rewrite_source"] == "llm" and "correction budget" not in (alone["abstain_reason"] or "")
+
+
+def test_a_rewrite_whose_parts_nobody_reads_does_not_ask_for_them() -> None:
+    from llama_index_crag.core.rewrite import QueryRewriter
+    from tests.conftest import ScriptedLLM
+
+    seen: List[str] = []
+
+    def rewrite(prompt: str) -> str:
+        seen.append(prompt)
+        return json.dumps({"query": "Harbor Analytics CEO name, Q4 2023 NRR"})
+
+    rewriter = QueryRewriter(ScriptedLLM(rewrite=rewrite))
+    assert rewriter.rewrite(LISTED) and '"parts"' not in seen[-1]  # the hybrid web search, a second attempt
+    assert rewriter.rewrite_parts(LISTED).query and '"parts"' in seen[-1]  # the first rewrite of the question

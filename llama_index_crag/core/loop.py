@@ -362,12 +362,14 @@ class Loop:
             rewriter = self.rewriter
             own = self.settings.rewrite_timeout_s or self.settings.correction_timeout_s / 2
             try:
-                rewritten: Rewrite = yield io(
-                    rewriter.rewrite_parts, rewriter.arewrite_parts, search, limit=min(left(deadline), own)
-                )
+                limit = min(left(deadline), own)
+                if search != question:  # a later attempt rewrites a rewrite: its parts would not be the question's
+                    again: str = yield io(rewriter.rewrite, rewriter.arewrite, search, limit=limit)
+                    trace.rewrite_source = "llm"
+                    return again
+                rewritten: Rewrite = yield io(rewriter.rewrite_parts, rewriter.arewrite_parts, search, limit=limit)
                 trace.rewrite_source = "llm"
-                if search == question:  # a later attempt rewrites a rewrite: its parts are not the question's
-                    trace.rewrite_parts, trace.rewrite_parts_refused = list(rewritten.parts), rewritten.parts_refused
+                trace.rewrite_parts, trace.rewrite_parts_refused = list(rewritten.parts), rewritten.parts_refused
                 return rewritten.query
             except RewriteError as exc:
                 trace.rewrite_error = str(exc)

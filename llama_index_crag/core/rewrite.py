@@ -111,9 +111,10 @@ class QueryRewriter(PromptMixin):
         self.prompt = _checked_prompt(prompt or (DEFAULT_REWRITE_PROMPT if parts else QUERY_ONLY_REWRITE_PROMPT))
         self._own_prompt = prompt is not None
 
-    def _asked(self, query: str) -> Tuple[Any, BasePromptTemplate]:
-        """The schema and prompt for ``query``: parts asked only of a query that could ask several things."""
-        several = self.parts and may_ask_several(query)
+    def _asked(self, query: str, parts: bool) -> Tuple[Any, BasePromptTemplate]:
+        """The schema and prompt for ``query``: parts asked only where the caller reads them (``parts``) and of a
+        query that could ask several things."""
+        several = parts and self.parts and may_ask_several(query)
         if self._own_prompt:
             return (RewrittenQuery if several else SearchQuery), self.prompt
         return (RewrittenQuery, DEFAULT_REWRITE_PROMPT) if several else (SearchQuery, QUERY_ONLY_REWRITE_PROMPT)
@@ -130,17 +131,24 @@ class QueryRewriter(PromptMixin):
             self._own_prompt = True
 
     def rewrite(self, query: str) -> str:
-        """Return the rewritten query or raise ``RewriteError``."""
-        return self.rewrite_parts(query).query
+        """Return the rewritten query or raise ``RewriteError`` (no parts are asked for: nothing would read them)."""
+        return self._predict(query, parts=False).query
 
     async def arewrite(self, query: str) -> str:
         """Async ``rewrite``: awaits the LLM."""
-        return (await self.arewrite_parts(query)).query
+        return (await self._apredict(query, parts=False)).query
 
     def rewrite_parts(self, query: str) -> Rewrite:
         """The rewritten query, with the questions it asks when the model wrote several that pass
         ``checked_parts``; raises ``RewriteError`` as ``rewrite``. Refused parts do not fail the rewrite."""
-        schema, prompt = self._asked(query)
+        return self._predict(query, parts=True)
+
+    async def arewrite_parts(self, query: str) -> Rewrite:
+        """Async ``rewrite_parts``: awaits the LLM."""
+        return await self._apredict(query, parts=True)
+
+    def _predict(self, query: str, parts: bool) -> Rewrite:
+        schema, prompt = self._asked(query, parts)
         try:
             with _ended_on_failure():
                 result = self.llm.structured_predict(schema, prompt, query_str=query, query=query)
@@ -148,9 +156,8 @@ class QueryRewriter(PromptMixin):
             raise self._failure(exc) from exc
         return _checked(query, result)
 
-    async def arewrite_parts(self, query: str) -> Rewrite:
-        """Async ``rewrite_parts``: awaits the LLM."""
-        schema, prompt = self._asked(query)
+    async def _apredict(self, query: str, parts: bool) -> Rewrite:
+        schema, prompt = self._asked(query, parts)
         try:
             with _ended_on_failure():
                 result = await self.llm.astructured_predict(schema, prompt, query_str=query, query=query)
