@@ -14,7 +14,7 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.span_handlers import SimpleSpanHandler
 
 from llama_index_crag import CorrectiveQueryEngine
-from llama_index_crag.core.trace import StepRecord
+from llama_index_crag.core.loop import StepRecord
 from llama_index_crag.datasets import load_documents
 from llama_index_crag.local.models import default_embed_model
 

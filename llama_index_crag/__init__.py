@@ -16,8 +16,12 @@ _EXPORTS: Dict[str, str] = {
     "CorrectiveQueryEngine": "llama_index_crag.core.engine",
     "CorrectiveRetriever": "llama_index_crag.core.retriever",
     "CorrectiveTimeout": "llama_index_crag.errors",
+    "CragActionEvent": "llama_index_crag.core.loop",
     "CragError": "llama_index_crag.errors",
+    "CragGradeEvent": "llama_index_crag.core.grader",
     "CragSettings": "llama_index_crag.core.settings",
+    "CragStepEvent": "llama_index_crag.core.loop",
+    "CragTrace": "llama_index_crag.core.loop",
     "EvidenceQuoter": "llama_index_crag.answers.extract",
     "FallbackRetriever": "llama_index_crag.core.fallback",
     "GenerationError": "llama_index_crag.errors",
@@ -43,8 +47,12 @@ __all__ = [
     "CorrectiveQueryEngine",
     "CorrectiveRetriever",
     "CorrectiveTimeout",
+    "CragActionEvent",
     "CragError",
+    "CragGradeEvent",
     "CragSettings",
+    "CragStepEvent",
+    "CragTrace",
     "EvidenceQuoter",
     "FallbackRetriever",
     "GenerationError",
@@ -82,7 +90,8 @@ if TYPE_CHECKING:
     from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
     from llama_index_crag.core.engine import CorrectiveQueryEngine
     from llama_index_crag.core.fallback import FallbackRetriever
-    from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
+    from llama_index_crag.core.grader import CragGradeEvent, Grading, RelevanceGrader, Verdict
+    from llama_index_crag.core.loop import CragActionEvent, CragStepEvent, CragTrace
     from llama_index_crag.core.persisted import load_engine
     from llama_index_crag.core.refiner import StripRefiner
     from llama_index_crag.core.retriever import CorrectiveRetriever

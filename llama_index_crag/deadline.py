@@ -1,6 +1,6 @@
 """The time limit of the loop's step that is running now, for a blocking call that can stop at it.
 
-A driver abandons a step past its limit (``core.driver``), but a thread cannot be killed: a
+A driver abandons a step past its limit (``core/loop.py``'s drivers), but a thread cannot be killed: a
 llama.cpp generation would go on to its token cap and keep the model's lock, so that the
 next query's rewrite waited behind it and ran out of time too. The drivers set the step's
 deadline here; a part that can stop early (``local.llamacpp.BundledLlamaCPP``) reads it,

@@ -16,8 +16,8 @@ from llama_index.core.schema import QueryBundle
 from llama_index.core.settings import Settings
 
 from llama_index_crag import CorrectiveQueryEngine, CorrectiveRetriever
+from llama_index_crag.core.loop import StepRecord
 from llama_index_crag.core.retriever import ABSTAINED_KEY, TRACE_KEY
-from llama_index_crag.core.trace import StepRecord
 
 from .conftest import ALPHA, BETA, GAMMA, REWRITE_MARKER, Answering, MarkerScorer, ScriptedLLM, make_engine
 

@@ -15,12 +15,11 @@ the side each part of a comparison asks about (``sides``, empty for joined quest
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.schema import NodeWithScore
 
-from llama_index_crag.core.driver import text_response
 from llama_index_crag.text.compound import Split
 
 #: The metadata key that says which part of a compound question a source answered (1 for the first).
@@ -35,12 +34,10 @@ def combined(
     split: Split,
     responses: Sequence[RESPONSE_TYPE],
     abstain_text: str,
-    streaming: bool,
-    is_async: bool,
     asked_whole: Optional[Dict[str, Any]] = None,
-) -> RESPONSE_TYPE:
-    """One response for ``split``'s question from each part's (non-streamed) response; ``asked_whole`` is the
-    trace of the question asked whole, when its rewrite found the parts."""
+) -> Tuple[str, List[NodeWithScore], Dict[str, Any]]:
+    """The text, sources and trace of one response for ``split``'s question, from each part's (non-streamed)
+    response; ``asked_whole`` is the trace of the question asked whole, when its rewrite found the parts."""
     traces: List[Dict[str, Any]] = [dict((r.metadata or {}).get("crag") or {}) for r in responses]
     answered = [i for i, t in enumerate(traces) if not t.get("abstained")]
     sources: List[NodeWithScore] = []
@@ -92,9 +89,7 @@ def combined(
             f"searched and the other {split.dropped} dropped (max_parts)"
         )
     top["warnings"] = warnings
-    response = text_response(text, sources if answered else [], streaming, is_async)
-    response.metadata = {"crag": top}
-    return response
+    return text, sources if answered else [], top
 
 
 def _marked(node: NodeWithScore, part: int) -> NodeWithScore:

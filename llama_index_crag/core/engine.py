@@ -25,9 +25,8 @@ from llama_index_crag.answers.extract import EvidenceQuoter
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.core.builder import settings_llm
-from llama_index_crag.core.driver import adrive, drive
 from llama_index_crag.core.grader import RelevanceGrader
-from llama_index_crag.core.loop import Answering, Loop
+from llama_index_crag.core.loop import Answering, Loop, adrive, drive
 from llama_index_crag.core.prompts import QuotingPrompts
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.retriever import CorrectiveRetriever

@@ -11,10 +11,10 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.indices.base import BaseIndex
 from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.base import BaseEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
-from llama_index_crag.core.trace import CragGradeEvent
 from llama_index_crag.scorers.base import RelevanceScorer
 from llama_index_crag.scorers.evidence import EvidenceScorer
 from llama_index_crag.scorers.registry import default_scorer
@@ -22,6 +22,21 @@ from llama_index_crag.scorers.registry import default_scorer
 dispatcher = get_dispatcher(__name__)
 
 Aggregation = Literal["max", "mean", "count"]
+
+
+class CragGradeEvent(BaseEvent):
+    """Emitted each time a batch of candidates is graded."""
+
+    query: str
+    node_ids: List[str]
+    scores: List[float]
+    labels: List[str]
+    aggregate: float
+    verdict: str
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CragGradeEvent"
 
 
 class Verdict(str, Enum):

@@ -18,24 +18,54 @@ This module is the loop of ``docs/loop.md`` in the order it runs::
         quote the evidence, or generate from it and check the answer; or abstain
 
 Every step is a generator that yields its I/O (an ``Io``: how to do it sync and async, and its time
-limit) to a driver (``core/driver.py``), so one loop serves ``retrieve`` and ``aretrieve``, ``query``
-and ``aquery``. ``step`` wraps a step: its instrumentation span, its time in the trace, its I/O.
-``CorrectiveRetriever`` (``core/retriever.py``) and ``CorrectiveQueryEngine`` (``core/engine.py``) are
-adapters: they hold the parts, resolved once from the settings when they are built, and run a ``Loop``
-over them.
+limit) to a driver, so one loop serves ``retrieve`` and ``aretrieve``, ``query`` and ``aquery``. ``step``
+wraps a step: its instrumentation span, its time in the trace, its I/O. ``CorrectiveRetriever``
+(``core/retriever.py``) and ``CorrectiveQueryEngine`` (``core/engine.py``) are adapters: they hold the
+parts, resolved once from the settings when they are built, and run a ``Loop`` over them. The parts are
+the grader (``core/grader.py``), the refiner, the rewrite and the fallback on the way, and the answer
+step (``answers/extract.py``) at the end.
+
+Below the loop, in the order a reader needs them: the drivers (``drive`` runs the steps in the calling
+thread, a step with a limit in a daemon thread abandoned when the limit passes; ``adrive`` awaits them
+under ``asyncio.wait_for``; both turn a step past its limit into ``CorrectiveTimeout``), the responses the
+loop returns (``text_response``, ``check_when_streamed``), and the trace (``CragTrace``: what the query
+decided, ``response.metadata["crag"]``; its events; ``step_span``, the span of one step).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import copy
+import inspect
+import threading
 import time
+import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, AsyncGenerator, Callable, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Dict,
+    Generator,
+    Generic,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
 from llama_index.core.base.base_retriever import BaseRetriever
-from llama_index.core.base.response.schema import RESPONSE_TYPE
+from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.callbacks import CallbackManager, CBEventType, EventPayload
 from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.base import BaseEvent
+from llama_index.core.instrumentation.span import active_span_id
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore, QueryBundle
@@ -47,14 +77,13 @@ from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import outcome_of
 from llama_index_crag.answers.sources import shown
 from llama_index_crag.core.compound import combined, keep_to_subject
-from llama_index_crag.core.driver import Io, Steps, bind, check_when_streamed, left, text_response
 from llama_index_crag.core.fallback import OUTSIDE_SCOPE_KEY, SOURCE_KEY, FallbackRetriever, fallback_query
 from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
 from llama_index_crag.core.prompts import quote_sources
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter, Rewrite
 from llama_index_crag.core.settings import CragSettings
-from llama_index_crag.core.trace import CragTrace, NodeGrade, step_span
+from llama_index_crag.deadline import running_until
 from llama_index_crag.errors import CorrectiveTimeout, GenerationError, InvalidQueryError, RewriteError
 from llama_index_crag.local.models import describe_llm
 from llama_index_crag.scope import Scope, scoped_retriever
@@ -196,7 +225,9 @@ class Loop:
                 span.outcome = "abstained" if crag.get("abstained") else str(crag.get("action"))
             budget -= correction_spent_s(crag)
             responses.append(response)
-        response = combined(split, responses, s.abstain_text, answering.streaming, is_async, asked_whole)
+        text, sources, crag = combined(split, responses, s.abstain_text, asked_whole)
+        response = text_response(text, sources, answering.streaming, is_async)
+        response.metadata = {"crag": crag}
         if spent_before:
             (response.metadata or {})["crag"]["warnings"].append(
                 f"the parts share one correction budget of {s.correction_timeout_s:g} s (correction_timeout_s); "
@@ -870,3 +901,402 @@ def _named_failures(tokens: Any, error: Callable[[BaseException], GenerationErro
             raise error(exc) from exc
 
     return named()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The drivers: each step's I/O run in the calling thread (``drive``) or awaited (``adrive``), under its
+# time limit, and the responses the loop returns.
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Io:
+    """One piece of I/O the loop hands to a driver: how to do it sync and async, and its time limit."""
+
+    run: Callable[[], Any]
+    arun: Callable[[], Awaitable[Any]]
+    timeout_s: Optional[float] = None
+
+
+T = TypeVar("T")
+#: Steps of the loop (or of a part of it) that end with a ``T``: the retriever's end with its ``Correction``, the
+#: engine's with its response.
+Steps = Generator[Io, Any, T]
+Outcome = Tuple[Any, Optional[BaseException]]
+
+
+@dataclass
+class Done(Generic[T]):
+    """The steps have finished with this value."""
+
+    value: T
+
+
+def advance(loop: Steps[T], outcome: Outcome) -> Union[Io, Done[T]]:
+    """Hand the last step's result (or its error) back to the loop and get its next step."""
+    value, error = outcome
+    try:
+        return loop.throw(error) if error is not None else loop.send(value)
+    except StopIteration as done:
+        return Done(done.value)
+
+
+def drive(loop: Steps[T]) -> T:
+    """Run the steps in this thread, each under its time limit; what they end with."""
+    outcome: Outcome = (None, None)
+    while not isinstance(step := advance(loop, outcome), Done):
+        try:
+            outcome = (run_with_timeout(step.run, step.timeout_s), None)
+        except Exception as exc:
+            outcome = (None, exc)
+    return step.value
+
+
+async def adrive(loop: Steps[T]) -> T:
+    """Await the steps, each under its time limit; what they end with."""
+    outcome: Outcome = (None, None)
+    while not isinstance(step := advance(loop, outcome), Done):
+        try:
+            limit = None if step.timeout_s is None else max(step.timeout_s, 0.0)
+            with running_until(None if limit is None else time.monotonic() + limit):
+                # The task wait_for starts, and any thread it hands work to, inherit the deadline.
+                outcome = (await asyncio.wait_for(_own_errors(step.arun()), limit), None)
+        except _StepError as failed:  # the step's own TimeoutError (a client's), not the limit running out
+            outcome = (None, failed.error)
+        except asyncio.TimeoutError:  # wait_for's: the step ran past its limit
+            outcome = (None, CorrectiveTimeout())
+        except Exception as exc:
+            outcome = (None, exc)
+    return step.value
+
+
+class _StepError(Exception):
+    """A ``TimeoutError`` the step raised itself, carried past ``wait_for``'s own (since 3.11, the same class)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _own_errors(step: Awaitable[Any]) -> Any:
+    try:
+        return await step
+    except asyncio.TimeoutError as exc:
+        raise _StepError(exc) from exc
+
+
+def bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    return lambda: fn(*args)
+
+
+def left(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def text_response(text: str, sources: Sequence[NodeWithScore], streaming: bool, is_async: bool) -> RESPONSE_TYPE:
+    """A response that is a fixed text (an abstention or a quoted answer), streamed in one piece when asked."""
+    if not streaming:
+        return Response(response=text, source_nodes=list(sources))
+    if is_async:
+
+        async def once() -> Any:
+            yield text
+
+        return AsyncStreamingResponse(response_gen=once(), source_nodes=list(sources))
+
+    def single() -> Generator[str, None, None]:
+        yield text
+
+    return StreamingResponse(response_gen=single(), source_nodes=list(sources))
+
+
+def check_when_streamed(response: RESPONSE_TYPE, finish: Callable[[str, Optional[str]], None]) -> None:
+    """Wrap a streamed answer's tokens so that ``finish(text, cut)`` runs when the stream ends.
+
+    ``cut`` is None when the generator ran to its end, else why it did not (the reader
+    stopped reading, or the generator raised): the trace then says the answer is unchecked.
+    """
+    crag = response.metadata["crag"]  # type: ignore[index]
+    crag["answer_check"] = {"status": "pending", "grounded": None, "reason": "checked when the stream ends"}
+    tokens = response.response_gen  # type: ignore[union-attr]
+    if hasattr(tokens, "__aiter__"):
+
+        async def checked_async() -> Any:
+            parts: List[str] = []
+            cut: Optional[str] = "the reader stopped reading"
+            try:
+                async for token in tokens:
+                    parts.append(token)
+                    yield token
+                cut = None
+            except Exception as exc:
+                cut = f"{type(exc).__name__}: {exc}"
+                raise
+            finally:
+                if cut is None:
+                    await asyncio.to_thread(finish, "".join(parts), None)
+                else:
+                    finish("".join(parts), cut)
+
+        response.response_gen = checked_async()  # type: ignore[union-attr]
+        return
+
+    def checked() -> Generator[str, None, None]:
+        parts: List[str] = []
+        cut: Optional[str] = "the reader stopped reading"
+        try:
+            for token in tokens:
+                parts.append(token)
+                yield token
+            cut = None
+        except Exception as exc:
+            cut = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            finish("".join(parts), cut)
+
+    response.response_gen = checked()  # type: ignore[union-attr]
+
+
+def run_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float]) -> Any:
+    """Run ``fn``; with a limit, in a daemon thread that is abandoned when the limit passes (``fn`` sees the
+    deadline as ``deadline.step_deadline()``)."""
+    if timeout_s is None:
+        return fn()
+    if timeout_s <= 0:
+        raise CorrectiveTimeout()
+    outcome: Dict[str, Any] = {}
+    finished = threading.Event()
+    context = contextvars.copy_context()
+    deadline = time.monotonic() + timeout_s
+
+    def until_deadline() -> Any:
+        with running_until(deadline):  # so that a part that can stop early stops when the step is abandoned
+            return fn()
+
+    def target() -> None:
+        try:
+            outcome["value"] = context.run(until_deadline)
+        except BaseException as exc:  # handed to the caller below
+            outcome["error"] = exc
+        finally:
+            finished.set()
+
+    threading.Thread(target=target, daemon=True, name="crag-correction").start()
+    if not finished.wait(timeout_s):
+        raise CorrectiveTimeout()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The trace: what one query decided, the events that report it, and the span of each step.
+# ----------------------------------------------------------------------------------------------------
+
+
+STAGES = ("retrieve", "rerank", "grade", "refine", "rewrite", "fallback", "regrade", "generate", "extract", "check")
+CORRECTION_STAGES = ("grade", "refine", "rewrite", "fallback", "regrade", "check")
+
+
+class CragActionEvent(BaseEvent):
+    """Emitted once a query's corrective action is decided and carried out."""
+
+    query: str
+    action: str
+    abstained: bool
+    abstain_reason: Optional[str] = None
+    rewritten_query: Optional[str] = None
+    fallback_sources: List[str] = []
+    crag_ms: float
+    #: Milliseconds spent in each stage (the keys of the trace's ``timings_ms``, without ``crag_ms``).
+    timings_ms: Dict[str, float] = {}
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CragActionEvent"
+
+
+class CragStepEvent(BaseEvent):
+    """Emitted at the end of each corrective step, inside the step's span: what it decided and on how much."""
+
+    step: str
+    outcome: Optional[str] = None
+    #: Counts in and out of the step (candidates, kept, hits, strips, quotes ...).
+    sizes: Dict[str, int] = {}
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CragStepEvent"
+
+
+@dataclass
+class StepRecord:
+    """What a corrective step reports about itself: its outcome and sizes (the span's result and its event)."""
+
+    step: str
+    outcome: Optional[str] = None
+    sizes: Dict[str, int] = field(default_factory=dict)
+
+
+#: The dispatcher of the steps' spans and events (the query's span is the engine's).
+_steps = get_dispatcher(__name__)
+
+#: The signature span handlers see for a step span: its name and its input sizes.
+_STEP_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter("step", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("sizes", inspect.Parameter.VAR_KEYWORD),
+    ]
+)
+
+
+@contextmanager
+def step_span(step: str, **sizes: int) -> Iterator[StepRecord]:
+    """An instrumentation span for one corrective step (``CorrectiveStep.<step>-<uuid>``), around the block.
+
+    The loop is a generator whose I/O runs in a driver, so no decorated function spans a
+    step: the span is entered and left here, and made the active span so that the
+    model calls and retrievals inside the step are its children. The block sets the
+    record's ``outcome`` and ``sizes``; on exit they go to span handlers as the span's
+    result and to event handlers as a ``CragStepEvent`` inside the span. A step that
+    raises drops its span with the error.
+    """
+    id_ = f"CorrectiveStep.{step}-{uuid.uuid4()}"
+    bound = _STEP_SIGNATURE.bind(step, **sizes)
+    token = active_span_id.set(id_)
+    parent = token.old_value if isinstance(token.old_value, str) else None
+    _steps.span_enter(id_=id_, bound_args=bound, parent_id=parent, tags={"crag.step": step})
+    record = StepRecord(step, sizes=dict(sizes))
+    try:
+        yield record
+    except BaseException as exc:
+        _steps.span_drop(id_=id_, bound_args=bound, err=exc)
+        raise
+    else:
+        _steps.event(CragStepEvent(step=step, outcome=record.outcome, sizes=record.sizes))
+        _steps.span_exit(id_=id_, bound_args=bound, result=record)
+    finally:
+        try:
+            active_span_id.reset(token)
+        except ValueError:  # a loop abandoned and closed from another context: that context keeps its own span
+            pass
+
+
+@dataclass
+class NodeGrade:
+    """One graded candidate as the trace shows it."""
+
+    node_id: str
+    score: float
+    label: str
+    source: str
+    doc_id: Optional[str] = None
+    #: Why it scored what it did (``explain=True`` and a scorer that can say), else None.
+    explanation: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class CragTrace:
+    """Everything the engine decided for one query; ``response.metadata["crag"]`` is its dict."""
+
+    query: str
+    enabled: bool
+    scorer: str
+    upper: float
+    lower: float
+    aggregation: str
+    strip_threshold: Optional[float] = None
+    action: str = "disabled"
+    nodes: List[NodeGrade] = field(default_factory=list)
+    aggregate_score: Optional[float] = None
+    top_score: Optional[float] = None
+    strips_kept: int = 0
+    strips_dropped: int = 0
+    #: AMBIGUOUS: every strip graded, kept or dropped, with its candidate's node id and score.
+    strips: List[Dict[str, Any]] = field(default_factory=list)
+    no_strips: bool = False
+    rewritten_query: Optional[str] = None
+    rewrites: int = 0
+    rewrite_error: Optional[str] = None
+    #: Which rewrite was searched with: "llm" (the generator's JSON rewrite) or "keyword" (its deterministic fallback).
+    rewrite_source: Optional[str] = None
+    #: The questions the LLM's rewrite found in the query, when they passed its check (each is then asked alone).
+    rewrite_parts: List[str] = field(default_factory=list)
+    #: Why the parts the LLM's rewrite wrote were not used ("" when it wrote none or they were used).
+    rewrite_parts_refused: str = ""
+    fallback_sources: List[str] = field(default_factory=list)
+    fallback_error: Optional[str] = None
+    #: Each web search of the fallback: provider, the exact query sent, pages fetched and refused (see WebReport).
+    web: List[Dict[str, Any]] = field(default_factory=list)
+    retry_score: Optional[float] = None
+    #: The identifiers the engine searched the fallback for by name, when every strip that could answer stood in
+    #: another identifier's entry (the retrieved passages were the asked one's neighbours); None when it did not.
+    entry_search: Optional[str] = None
+    #: The caller's scope (its metadata filters as JSON), None when unbounded.
+    scope: Optional[Dict[str, Any]] = None
+    #: The filter keys the opt-in broadening fallback relaxed to find the evidence answered from (``broaden=``).
+    broadened: List[str] = field(default_factory=list)
+    abstained: bool = False
+    abstain_reason: Optional[str] = None
+    #: What the user should know about how this answer was graded (a packaged grader that could
+    #: not be loaded, so the evidence features graded instead, say).
+    warnings: List[str] = field(default_factory=list)
+    #: How the engine answers: "extract" (quoted strips, no generation) or "generate".
+    answer_mode: str = "generate"
+    #: What produced the answer the user got: "generate", "extract" or "abstain" (None until decided).
+    answered_by: Optional[str] = None
+    #: The generated answer's check: True or False once read, None when unchecked (see answer_check["status"]).
+    grounded: Optional[bool] = None
+    #: The check itself: status, score and unsupported spans of each sentence, the policy and its outcome.
+    answer_check: Optional[Dict[str, Any]] = None
+    #: The quoted strips, with their sources, of an extractive answer (or of the evidence beside a failed check).
+    quotes: List[Dict[str, Any]] = field(default_factory=list)
+    #: The quotes read together and graded against the question: grade, threshold, passed, and withheld quotes.
+    quote_check: Optional[Dict[str, Any]] = None
+    timings_ms: Dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Add the wall time of the block to ``timings_ms[stage]``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = (time.perf_counter() - start) * 1000.0
+            self.timings_ms[stage] = round(self.timings_ms.get(stage, 0.0) + elapsed, 3)
+
+    @property
+    def crag_ms(self) -> float:
+        """The correction's own cost: every stage a plain RAG pipeline would not run."""
+        return round(sum(self.timings_ms.get(s, 0.0) for s in CORRECTION_STAGES), 3)
+
+    def abstain(self, reason: str) -> None:
+        """Record that the engine will answer with its abstention text, and why."""
+        self.abstained = True
+        self.abstain_reason = reason
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The trace as plain JSON-ready data, with ``crag_ms`` among the timings."""
+        data = asdict(self)
+        data["timings_ms"] = {**self.timings_ms, "crag_ms": self.crag_ms}
+        data["thresholds"] = {
+            "upper": self.upper,
+            "lower": self.lower,
+            "aggregation": self.aggregation,
+            "strip_threshold": self.strip_threshold,
+        }
+        return data
+
+    def action_event(self) -> CragActionEvent:
+        """The event that reports the action carried out, with the time of each stage."""
+        return CragActionEvent(
+            query=self.query,
+            action=self.action,
+            abstained=self.abstained,
+            abstain_reason=self.abstain_reason,
+            rewritten_query=self.rewritten_query,
+            fallback_sources=self.fallback_sources,
+            crag_ms=self.crag_ms,
+            timings_ms=dict(self.timings_ms),
+        )

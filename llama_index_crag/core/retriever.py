@@ -15,9 +15,8 @@ from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle, TextNo
 from llama_index.core.settings import Settings
 
 from llama_index_crag.core.builder import retriever_parts
-from llama_index_crag.core.driver import Steps, adrive, drive
 from llama_index_crag.core.grader import RelevanceGrader
-from llama_index_crag.core.loop import Broadening, Correction, Loop
+from llama_index_crag.core.loop import Broadening, Correction, Loop, Steps, adrive, drive
 from llama_index_crag.core.refiner import StripRefiner
 from llama_index_crag.core.rewrite import QueryRewriter
 from llama_index_crag.core.settings import CragSettings
@@ -277,7 +276,7 @@ class CorrectiveRetriever(BaseRetriever):
         )
 
     def steps(self, query_bundle: QueryBundle) -> Steps[Correction]:
-        """The loop up to the answer step, as steps for a driver (``core/driver.py``)."""
+        """The loop up to the answer step, as steps for a driver (``drive``, ``adrive``)."""
         return self.loop.correct(query_bundle)
 
 

@@ -15,7 +15,7 @@ from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llama_index_crag.core.trace import CragTrace, NodeGrade
+from llama_index_crag.core.loop import CragTrace, NodeGrade
 from llama_index_crag.local.models import describe_llm
 
 # LangGraph's CRAG tutorial grader (CorrectiveRAGPack's asks the same, in free text).

@@ -32,7 +32,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from llama_index_crag.core.trace import CragActionEvent
+from llama_index_crag.core.loop import CragActionEvent
 
 ACTIONS = Counter(
     "crag_actions_total",
