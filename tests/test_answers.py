@@ -149,7 +149,9 @@ def test_a_good_llm_rewrite_is_used_and_said_so() -> None:
 
 def test_without_an_llm_the_rewrite_is_the_keywords() -> None:
     engine = make_engine(MarkerScorer(ALPHA_SCORER), ScriptedLLM(), answer_mode="extract", quote_threshold=0.0)
-    engine.retriever._rewriter = None  # as from_defaults builds it without an LLM
+    retriever = engine.retriever
+    retriever._rewriter = None  # as from_defaults builds it without an LLM
+    engine = CorrectiveQueryEngine(retriever, engine.synthesizer)
     trace = crag(engine.query("How much money does project A get?"))
     assert trace["rewrite_source"] == "keyword" and trace["rewrite_error"] is None and not trace["abstained"]
 

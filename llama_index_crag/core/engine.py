@@ -90,12 +90,13 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         self._synthesizer = response_synthesizer
         self._quoting: Optional[Tuple[Tuple[int, ...], BaseSynthesizer]] = None
         self._quoting_prompts = QuotingPrompts()
-        self._answer_parts()
         self._scoped = ScopeCache()
         super().__init__(callback_manager=callback_manager or response_synthesizer.callback_manager)
+        self._answer_parts()
 
     def _answer_parts(self) -> None:
-        """The answer step's parts, built from the retriever's settings and parts (again when the settings change)."""
+        """The answer step's parts and the loop over all the parts, built from the retriever's settings and parts
+        (again when the settings change)."""
         settings, grader, refiner = self._retriever.settings, self._retriever.grader, self._retriever.refiner
         #: "extract" or "generate": the setting, or when unset, what the generator allows (``default_answer_mode``).
         self.answer_mode = settings.answer_mode or default_answer_mode(getattr(self._synthesizer, "_llm", None))
@@ -110,6 +111,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         self._checker = GroundednessChecker(
             grader.scorer, use_scorer=settings.check_with_grader, strip_min_tokens=refiner.strip_min_tokens
         )
+        self._loop = replace(self._retriever.loop, answering=self._answering())
 
     @classmethod
     def from_defaults(
@@ -203,6 +205,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         def build() -> CorrectiveQueryEngine:
             other = copy.copy(self)
             other._retriever = retriever
+            other._loop = replace(retriever.loop, answering=other._answering())  # the narrowed retriever's parts
             return other
 
         return self._scoped.get(retriever.scope, build)  # type: ignore[no-any-return]
@@ -249,8 +252,11 @@ class CorrectiveQueryEngine(BaseQueryEngine):
 
     @property
     def loop(self) -> Loop:
-        """The corrective loop over this engine's parts (``core/loop.py``): the retriever's, and the answer step."""
-        return replace(self._retriever.loop, answering=self._answering())
+        """The corrective loop over this engine's parts (``core/loop.py``): the retriever's, and the answer step.
+
+        Built with the parts (again when ``settings`` or the scope changes), so a query runs it at once.
+        """
+        return self._loop
 
     def _answering(self) -> Answering:
         return Answering(
@@ -317,11 +323,11 @@ class CorrectiveQueryEngine(BaseQueryEngine):
 
     @dispatcher.span
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        return drive(self.loop.run(query_bundle, is_async=False))
+        return drive(self._loop.run(query_bundle, is_async=False))
 
     @dispatcher.span
     async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        return await adrive(self.loop.run(query_bundle, is_async=True))
+        return await adrive(self._loop.run(query_bundle, is_async=True))
 
     def _quoting_synthesizer(self) -> BaseSynthesizer:
         """The synthesizer with the quoted-source templates, for contexts that hold web pages."""
