@@ -33,8 +33,12 @@ from sklearn.metrics import roc_auc_score
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from llama_index_crag.answers.answer_model import AnswerModel, answer_features, packaged_answer_model  # noqa: E402
-from llama_index_crag.answers.extract import EvidenceQuoter  # noqa: E402
+from llama_index_crag.answers.extract import (  # noqa: E402
+    AnswerModel,
+    EvidenceQuoter,  # noqa: E402
+    answer_features,
+    packaged_answer_model,
+)
 from llama_index_crag.calibration.fit import IN_CORPUS, OUT_OF_CORPUS, UNANSWERABLE, labelled_batches  # noqa: E402
 from llama_index_crag.evaluation.dataset import (  # noqa: E402
     EvalQuestion,

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from check_halves import evaluate, write_half  # noqa: E402
 
-from llama_index_crag.answers.answer_model import META_FILE, PACKAGED_DIR, QuoteDecision, evidence_place  # noqa: E402
+from llama_index_crag.answers.extract import META_FILE, PACKAGED_DIR, QuoteDecision, evidence_place  # noqa: E402
 from llama_index_crag.core.loop import evidence_grade  # noqa: E402
 from llama_index_crag.scorers.evidence import EvidenceScorer  # noqa: E402
 

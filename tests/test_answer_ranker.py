@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from llama_index.core.schema import NodeWithScore, TextNode
 
-from llama_index_crag.answers.answer_model import (
+from llama_index_crag.answers.extract import (
     ANSWER_FEATURES,
     META_FILE,
     RANK_FEATURES,
     AnswerModel,
+    EvidenceQuoter,
     leads,
     packaged_answer_model,
 )
-from llama_index_crag.answers.extract import EvidenceQuoter
 from llama_index_crag.calibration.answer_training import question_leads
 from llama_index_crag.datasets import Question
 from llama_index_crag.errors import ConfigError

@@ -19,12 +19,14 @@ from llama_index.core.llms import MockLLM
 from llama_index.core.schema import NodeWithScore, TextNode
 
 from llama_index_crag import CorrectiveQueryEngine
-from llama_index_crag.answers.answer_model import (
+from llama_index_crag.answers.extract import (
     ANSWER_FEATURES,
     PACKAGED_DIR,
+    QUOTED_HEADER,
     WEIGHTS_FILE,
     AnswerModel,
     Candidate,
+    EvidenceQuoter,
     QuoteDecision,
     answer_features,
     asked_names,
@@ -32,9 +34,9 @@ from llama_index_crag.answers.answer_model import (
     evidence_place,
     other_entry,
     packaged_answer_model,
+    shown,
     states_codes,
 )
-from llama_index_crag.answers.extract import QUOTED_HEADER, EvidenceQuoter, shown
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import default_answer_mode

@@ -279,5 +279,5 @@ def test_a_reingest_under_another_chunker_cuts_every_unchanged_document_again(
 def test_a_heading_is_a_markdown_heading_line_alone_between_blank_lines(
     line: str, before: Any, after: Any, read: Any
 ) -> None:
-    # One rule for the chunker's sections and the answer step's entries (answers.answer_model.entry_above).
+    # One rule for the chunker's sections and the answer step's entries (answers.extract.entry_above).
     assert heading(line, before, after) == read

@@ -1,4 +1,4 @@
-"""Training the answer step's network (``answers.answer_model``) on human-labelled sentence pairs.
+"""Training the answer step's network (``answers.extract``) on human-labelled sentence pairs.
 
 Only pairs whose passage is one sentence or a few facts are read (``SENTENCE_KINDS``):
 the answer step chooses sentences, not paragraphs. A tenth of each source is held out
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from llama_index_crag.answers.answer_model import (
+from llama_index_crag.answers.extract import (
     ANSWER_FEATURES,
     RANK_FEATURES,
     RANKER,

@@ -20,8 +20,7 @@ from llama_index.core.prompts.mixin import PromptMixin, PromptMixinType
 from llama_index.core.response_synthesizers import BaseSynthesizer, ResponseMode, get_response_synthesizer
 from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
 
-from llama_index_crag.answers.answer_model import AnswerModel
-from llama_index_crag.answers.extract import EvidenceQuoter
+from llama_index_crag.answers.extract import AnswerModel, EvidenceQuoter
 from llama_index_crag.answers.grounding import GroundednessChecker
 from llama_index_crag.answers.policy import default_answer_mode
 from llama_index_crag.core.builder import settings_llm

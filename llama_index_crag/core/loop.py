@@ -70,8 +70,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llama_index_crag.answers.answer_model import evidence_place
-from llama_index_crag.answers.extract import EvidenceQuoter, QuotedAnswer
+from llama_index_crag.answers.extract import EvidenceQuoter, QuotedAnswer, evidence_place
 from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import outcome_of

@@ -18,7 +18,7 @@ from llama_index.core.response_synthesizers import ResponseMode, get_response_sy
 from llama_index.core.schema import MetadataMode
 from tqdm import tqdm
 
-from llama_index_crag.answers.answer_model import META_FILE, PACKAGED_DIR
+from llama_index_crag.answers.extract import META_FILE, PACKAGED_DIR
 from llama_index_crag.answers.policy import ANSWER_MODES, ON_UNGROUNDED, default_answer_mode
 from llama_index_crag.core.engine import CorrectiveQueryEngine
 from llama_index_crag.core.settings import MAX_TIMEOUT_S

@@ -1,5 +1,5 @@
 """Where a text's headings are: one rule, which the chunker cuts sections by and the answer step reads a
-reference page's entries by (``stores/chunking.py``, ``answers/answer_model.entry_above``)."""
+reference page's entries by (``stores/chunking.py``, ``answers/extract.entry_above``)."""
 
 from __future__ import annotations
 

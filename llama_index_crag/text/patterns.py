@@ -3,7 +3,7 @@
 Three parts of the loop look for the same kinds of token. The scorer's answer-type and
 constraint features (``scorers/answer_type.py``) ask whether a passage holds a length, a
 date or an amount, and whether it gives the year a question sets. The answer step
-(``answers/answer_model.py``) asks whether a strip states the figures, codes and names a
+(``answers/extract.py``) asks whether a strip states the figures, codes and names a
 question names. The check (``answers/grounding.py``) lists the figures, codes and names an
 answer states and looks for each in its sources. The knowledge strips' subjects, the
 keyword rewrite and the compound-question split read names too. Every such pattern is here,
