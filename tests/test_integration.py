@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, List
+import sys
+import threading
+from typing import Any, List, Set
 
 import pytest
 from llama_index.core import VectorStoreIndex
@@ -230,3 +232,34 @@ def test_grading_reuses_the_embeddings_the_index_already_holds(monkeypatch: Any)
     assert trace["action"] == "correct" and len(trace["nodes"]) == 5
     # The retriever embedded the question once; grading embedded neither it nor any candidate again.
     assert passages == [] and len(queries) == 1
+
+
+def test_a_quoted_correct_answer_runs_in_the_engine_the_loop_and_two_parts(sample_index: VectorStoreIndex) -> None:
+    # The loop reads in one module: a question the grader finds CORRECT and the engine answers by quoting runs in the
+    # engine's adapter, the loop (with its drivers and trace), the grader and the answer step, and in no other module
+    # of the loop's own packages (the scorers and text helpers the parts use are theirs). Nine modules, once.
+    engine = CorrectiveQueryEngine.from_defaults(index=sample_index)
+    question = "What is the monthly uptime SLA for Harbor Pro?"
+    engine.query(question)  # lazy imports and caches out of the way
+    entered: Set[str] = set()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if event == "call" and module.startswith(("llama_index_crag.core.", "llama_index_crag.answers.")):
+            entered.add(module)
+
+    sys.setprofile(profile)
+    threading.setprofile(profile)  # a step with a time limit runs in a thread of its own
+    try:
+        response = engine.query(question)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    crag = (response.metadata or {})["crag"]
+    assert (crag["action"], crag["answered_by"]) == ("correct", "extract")
+    assert entered == {
+        "llama_index_crag.core.engine",
+        "llama_index_crag.core.loop",
+        "llama_index_crag.core.grader",
+        "llama_index_crag.answers.extract",
+    }

@@ -31,7 +31,6 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 import numpy as np
 from llama_index.core.schema import NodeWithScore
 
-from llama_index_crag.answers.sources import source_name
 from llama_index_crag.errors import ConfigError
 from llama_index_crag.presets import QUOTE_PRESETS, QuoteRule
 from llama_index_crag.scorers.answer_type import asked_kinds, asking_sentence, asks, holds_kind, strict_kind
@@ -419,6 +418,23 @@ def _sha256(path: Path) -> str:
 # ----------------------------------------------------------------------------------------------------
 # The quoted answer: the strips the model says answer, verbatim, with their sources.
 # ----------------------------------------------------------------------------------------------------
+
+
+def source_name(node: NodeWithScore) -> str:
+    """A short name for where a passage comes from: its file name or title, and its document id."""
+    meta = node.node.metadata
+    name = shown_value(meta.get("file_name") or meta.get("title"))
+    doc_id = shown_value(meta.get("doc_id") or node.node.ref_doc_id or node.node.node_id.split("#strips")[0])
+    if meta.get("url"):
+        name = f"{name}, {shown_value(meta['url'])}" if name else shown_value(meta["url"])
+    return f"{name}, {doc_id}" if name and doc_id and doc_id not in name else str(name or doc_id)
+
+
+def shown_value(value: Any) -> str:
+    """A metadata value as a reader sees it: a database may give a number, a list of authors or nothing."""
+    if isinstance(value, (list, tuple)):
+        return ", ".join(part for part in map(shown_value, value) if part)
+    return "" if value is None else str(value)
 
 
 #: The line that opens every quoted answer, so that nobody reads it as generated text.

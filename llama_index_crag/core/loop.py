@@ -70,11 +70,10 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llama_index_crag.answers.extract import EvidenceQuoter, QuotedAnswer, evidence_place
+from llama_index_crag.answers.extract import EvidenceQuoter, QuotedAnswer, evidence_place, shown_value
 from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import outcome_of
-from llama_index_crag.answers.sources import shown
 from llama_index_crag.core.compound import combined, keep_to_subject
 from llama_index_crag.core.fallback import OUTSIDE_SCOPE_KEY, SOURCE_KEY, FallbackRetriever, fallback_query
 from llama_index_crag.core.grader import Grading, RelevanceGrader, Verdict
@@ -766,7 +765,7 @@ def record(trace: CragTrace, nodes: Sequence[NodeWithScore], grading: Grading) -
     trace.nodes.extend(
         NodeGrade(
             node_id=n.node.node_id,
-            doc_id=shown(n.node.metadata.get("doc_id") or n.node.ref_doc_id) or None,  # a UUID or date in JSON
+            doc_id=shown_value(n.node.metadata.get("doc_id") or n.node.ref_doc_id) or None,  # a UUID or date in JSON
             score=round(score, 4),
             label=label.value,
             source=n.node.metadata.get(SOURCE_KEY, "retriever"),
