@@ -509,3 +509,21 @@ def test_a_compound_question_lists_its_parts_and_what_found_them(browser: WebDri
     for part in crag["parts"]:
         state = "not answered" if part["abstained"] else part["action"]
         assert shown[f"Part {part['part']}"] == f"{part['question']} ({state})"
+    # Each part's own candidates: a button per part draws that part's trace, the first answered part's at first.
+    views = browser.find_element(By.ID, "trace-views")
+    assert views.is_displayed()
+    buttons = views.find_elements(By.CSS_SELECTOR, "[data-testid=trace-view]")
+    assert [b.text for b in buttons] == [f"Part {p['part']}" for p in crag["parts"]]
+
+    def drawn_candidates() -> List[str]:
+        rows = browser.find_elements(By.CSS_SELECTOR, "#candidates > li")
+        return [row.get_attribute("data-node-id") or "" for row in rows]
+
+    for part, button in zip(crag["parts"], buttons):
+        button.click()
+        assert button.get_attribute("aria-pressed") == "true"
+        assert part["question"] in browser.find_element(By.ID, "trace-view-label").text
+        expected = [n["node_id"] for n in part["trace"]["nodes"]]
+        assert drawn_candidates() == expected
+    firsts = {p["trace"]["nodes"][0]["node_id"] for p in crag["parts"] if p["trace"]["nodes"]}
+    assert len(firsts) == 2, "the two parts retrieved different passages first, so each button draws its own"

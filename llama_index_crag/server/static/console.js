@@ -399,7 +399,6 @@
 
   function draw(result) {
     const crag = result.crag || {};
-    const thresholds = crag.thresholds || { upper: crag.upper, lower: crag.lower };
     const action = String(result.action || crag.action || "");
     const answer = String(result.answer || "");
     drawAnswer(result.query, result.abstained ? "" : crag.answered_by === "extract" ? answer.replace(QUOTED_HEADER, "") : answer);
@@ -411,6 +410,61 @@
     $("abstention").hidden = !result.abstained;
     $("abstain-reason").textContent = crag.abstain_reason || "no reason given";
     $("summary").replaceChildren(...summaryItems(crag));
+    drawTraceViews(crag);
+    drawTrace(crag);
+    const sources = result.sources || [];
+    $("sources").replaceChildren(...sources.map(sourceRow));
+    $("sources-empty").hidden = sources.length > 0;
+    for (const button of $("recent").querySelectorAll("button")) {
+      button.setAttribute("aria-current", String(button.dataset.id === result.id));
+    }
+  }
+
+  // A split question's response carries each part's whole trace (and, when the LLM's rewrite found the
+  // parts, the trace of the question asked whole): one button each, to draw that trace below the summary.
+  function traceViews(crag) {
+    const split = crag.split;
+    if (!split) return [];
+    const views = (crag.parts || []).filter((part) => part.trace).map((part) => ({
+      name: "Part " + part.part,
+      label: "Part " + part.part + ": " + part.question + " (" + (part.abstained ? "not answered" : part.action) + ")",
+      trace: part.trace,
+    }));
+    if (split.whole) {
+      views.push({ name: "Asked whole", label: "The question asked whole, before its rewrite found the parts", trace: split.whole });
+    }
+    return views;
+  }
+
+  function drawTraceViews(crag) {
+    const views = traceViews(crag);
+    $("trace-views").hidden = views.length === 0;
+    const first = (crag.parts || []).find((part) => !part.abstained);
+    const shown = first ? "Part " + first.part : views.length ? views[0].name : "";
+    const buttons = views.map((view) => el("button", {
+      type: "button", className: "trace-view", "data-testid": "trace-view", text: view.name,
+      onclick: () => showView(view),
+    }));
+    $("trace-view-buttons").replaceChildren(...buttons);
+    const selected = views.find((view) => view.name === shown);
+    if (selected) markView(selected);
+  }
+
+  function markView(view) {
+    for (const button of $("trace-view-buttons").querySelectorAll("button")) {
+      button.setAttribute("aria-pressed", String(button.textContent === view.name));
+    }
+    $("trace-view-label").textContent = "Showing the trace of " + view.label.charAt(0).toLowerCase() + view.label.slice(1);
+  }
+
+  function showView(view) {
+    markView(view);
+    drawTrace(view.trace);
+  }
+
+  // The part of the decision trace that belongs to one retrieval: candidates, strips, correction, timings.
+  function drawTrace(crag) {
+    const thresholds = crag.thresholds || { upper: crag.upper, lower: crag.lower };
     $("candidates").replaceChildren(...(crag.nodes || []).map((node) => candidateRow(node, thresholds)));
     const strips = crag.strips || [];
     $("refinement").hidden = strips.length === 0;
@@ -427,12 +481,6 @@
       el("span", { className: "tag origin", "data-testid": "fallback-source", text: origin(s) })) :
       [document.createTextNode("(none)")]));
     $("timings").tBodies[0].replaceChildren(...timingRows(crag.timings_ms));
-    const sources = result.sources || [];
-    $("sources").replaceChildren(...sources.map(sourceRow));
-    $("sources-empty").hidden = sources.length > 0;
-    for (const button of $("recent").querySelectorAll("button")) {
-      button.setAttribute("aria-current", String(button.dataset.id === result.id));
-    }
   }
 
   function drawRecent(queries) {
