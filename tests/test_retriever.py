@@ -166,6 +166,14 @@ def test_a_generated_answer_is_checked_in_its_own_span(spans: StepSpans) -> None
     assert [(s.step, s.outcome) for s in spans.steps] == [("grade", "correct"), ("check", "grounded")]
 
 
+def test_a_callback_manager_set_after_the_engine_is_built_gets_the_events() -> None:
+    engine = make_engine(MarkerScorer({"alpha project budget for 2024": 0.9}), ScriptedLLM(), primary=[ALPHA])
+    debug = LlamaDebugHandler()
+    engine.callback_manager = CallbackManager([debug])
+    engine.query("What is the alpha project budget?")
+    assert [len(debug.get_event_pairs(kind)) for kind in (CBEventType.QUERY, CBEventType.RETRIEVE)] == [1, 1]
+
+
 def test_the_stock_callback_events_come_in_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     debug = LlamaDebugHandler()
     monkeypatch.setattr(Settings, "_callback_manager", CallbackManager([debug]))

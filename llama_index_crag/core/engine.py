@@ -249,6 +249,18 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         self._answer_parts()
         self._scoped = ScopeCache()
 
+    @property  # type: ignore[override]
+    def callback_manager(self) -> CallbackManager:
+        """Receives the query's, the retrieval's and the answer's callback events."""
+        return self._callback_manager
+
+    @callback_manager.setter
+    def callback_manager(self, callback_manager: CallbackManager) -> None:
+        self._callback_manager = callback_manager
+        loop: Optional[Loop] = getattr(self, "_loop", None)  # None while BaseQueryEngine.__init__ sets the first
+        if loop is not None and loop.answering is not None:  # the loop built with the parts sends them here now
+            self._loop = replace(loop, answering=replace(loop.answering, callback_manager=callback_manager))
+
     @property
     def loop(self) -> Loop:
         """The corrective loop over this engine's parts (``core/loop.py``): the retriever's, and the answer step.
