@@ -224,13 +224,13 @@ class Loop:
             budget -= correction_spent_s(crag)
             responses.append(response)
         text, sources, crag = combined(split, responses, s.abstain_text, asked_whole)
-        response = text_response(text, sources, answering.streaming, is_async)
-        response.metadata = {"crag": crag}
         if spent_before:
-            (response.metadata or {})["crag"]["warnings"].append(
+            crag["warnings"].append(
                 f"the parts share one correction budget of {s.correction_timeout_s:g} s (correction_timeout_s); "
                 f"it was spent before part {spent_before}"
             )
+        response = text_response(text, sources, answering.streaming, is_async)
+        response.metadata = {"crag": crag}
         return response
 
     def one(self, query_bundle: QueryBundle, is_async: bool) -> Steps[RESPONSE_TYPE]:
