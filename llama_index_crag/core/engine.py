@@ -110,7 +110,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         self._checker = GroundednessChecker(
             grader.scorer, use_scorer=settings.check_with_grader, strip_min_tokens=refiner.strip_min_tokens
         )
-        self._loop = replace(self._retriever.loop, answering=self._answering())
+        self._loop = self._built_loop()
 
     @classmethod
     def from_defaults(
@@ -204,7 +204,7 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         def build() -> CorrectiveQueryEngine:
             other = copy.copy(self)
             other._retriever = retriever
-            other._loop = replace(retriever.loop, answering=other._answering())  # the narrowed retriever's parts
+            other._loop = other._built_loop()  # over the narrowed retriever's parts
             return other
 
         return self._scoped.get(retriever.scope, build)  # type: ignore[no-any-return]
@@ -268,6 +268,10 @@ class CorrectiveQueryEngine(BaseQueryEngine):
         Built with the parts (again when ``settings`` or the scope changes), so a query runs it at once.
         """
         return self._loop
+
+    def _built_loop(self) -> Loop:
+        """The loop over the retriever's parts and this engine's answer step."""
+        return replace(self._retriever.loop, answering=self._answering())
 
     def _answering(self) -> Answering:
         return Answering(
