@@ -126,6 +126,27 @@ def test_acme_asking_globexs_facts_never_sees_globexs_text(server: LiveServer) -
     assert not own["abstained"] and "Olsen" in json.dumps(own)
 
 
+def test_a_split_questions_part_traces_hold_nothing_of_the_other_tenant(server: LiveServer) -> None:
+    # The console draws each part's own trace from the stored query: every part's candidates, strips and sources
+    # must stay in the key's scope, the part about the other tenant's facts included.
+    question = (
+        "Who is the chief executive officer of Acme Corporation, and where are the Globex Corporation headquarters?"
+    )
+    reply = _ask(server, ACME_KEY, question, explain=True)
+    assert reply.status_code == 200
+    body = reply.json()
+    parts = body["crag"]["parts"]
+    assert body["crag"]["split"]["parts"] == 2 and all(part["trace"]["nodes"] for part in parts)
+    assert "Olsen" in parts[0]["answer"], "the part acme may read is answered"
+    stored = httpx.get(f"{server.url}/queries/{body['id']}", headers=_as(ACME_KEY))
+    streamed = _stream(server, ACME_KEY, question)
+    assert [_leaks(reply.text), _leaks(stored.text), _leaks(streamed)] == [[], [], []]
+    doc_ids = {n["doc_id"] for part in stored.json()["crag"]["parts"] for n in part["trace"]["nodes"]}
+    assert doc_ids and all(d.startswith("acme-") for d in doc_ids)
+    # Asked by the unscoped key, the same question's second part does read globex's page: the test can tell.
+    assert "Cypress" in json.dumps(_ask(server, OPS_KEY, question).json()["crag"]["parts"][1])
+
+
 def test_a_request_filter_narrows_the_keys_scope_and_never_widens_it(server: LiveServer) -> None:
     # acme's key asking for globex's tenant: the intersection admits nothing, so the engine abstains.
     for filters in (
