@@ -23,6 +23,7 @@ from llama_index_crag.answers.extract import (
     ANSWER_FEATURES,
     PACKAGED_DIR,
     QUOTED_HEADER,
+    TURNED_ROUND_WHY,
     WEIGHTS_FILE,
     AnswerModel,
     Candidate,
@@ -52,7 +53,7 @@ from llama_index_crag.presets.structured_abstracts import (
     states_a_gap,
     states_an_aim,
 )
-from llama_index_crag.scorers.evidence import EvidenceScorer
+from llama_index_crag.scorers.evidence import FEATURES, EvidenceScorer
 from llama_index_crag.text.patterns import IDENTIFIER
 from llama_index_crag.text.split import split_sentences
 from llama_index_crag.text.strips import Strip
@@ -1115,6 +1116,44 @@ def test_a_question_about_a_default_is_answered_by_the_strip_that_states_it() ->
     # Asked for what it sets, the strip that states no default answers.
     what = quoter.quote("What does rind_work_mem set?", _entries(page))
     assert any("Sets the base memory" in q.text for q in what.quotes) and not what.set_aside
+
+
+_RIND_CLASSES = (
+    "#### Rind Indexing\n\nTwo rind classes are provided. The default rind class for brine supports lookups with the "
+    "salt-exists operators, the containment operator and the path match operators. The non-default rind class "
+    "brine_path_ops does not support the salt-exists operators, but it does support containment."
+)
+_KEEPS_NEGATION = (
+    "The non-default rind class brine_path_ops does not support the salt-exists operators, but it does support "
+    "containment."
+)
+
+
+def test_a_negated_question_is_answered_by_the_strip_that_keeps_its_negation() -> None:
+    question = "Which brine rind class cannot serve the salt-exists operators?"
+    scorer = EvidenceScorer(corpus=[_RIND_CLASSES, "The cellar keeps its wheels at ten degrees."])
+    turned = FEATURES.index("turned_round")
+    # Two sentences hold as many of the question's words, and one negates: the passage is not turned round...
+    assert scorer.features(question, [_RIND_CLASSES])[0, turned] == 0.0
+    # ... where a passage whose one best sentence negates nothing is.
+    stated = _RIND_CLASSES.split(" The non-default")[0]
+    assert scorer.features(question, [stated])[0, turned] == 1.0
+    quoter = EvidenceQuoter(scorer, strip_min_tokens=3, answer_threshold=0.0, max_quotes=1)
+    answer = quoter.quote(question, _entries(_RIND_CLASSES))
+    assert [q.text for q in answer.quotes] == [_KEEPS_NEGATION], answer
+    assert TURNED_ROUND_WHY in {s["why"] for s in answer.set_aside}, answer.set_aside
+    # Asked the other way round, nothing is turned round and nothing set aside.
+    asked = quoter.quote("Which brine rind class supports the salt-exists operators?", _entries(_RIND_CLASSES))
+    assert asked.quotes and not asked.set_aside, asked
+
+
+def test_a_strip_holding_more_of_a_negated_questions_words_is_not_set_aside_for_a_lesser_negation() -> None:
+    # SQuAD's negated questions are often answered in other words ("... remained outside the union"): the network
+    # weighs that, and only a strip that negates with as many of the question's words sets another aside.
+    page = "The members of each committee reflect the balance of parties across Parliament. The chair is not elected."
+    quoter = EvidenceQuoter(EvidenceScorer(corpus=[page]), strip_min_tokens=3, answer_threshold=0.0)
+    answer = quoter.quote("Which committees do not reflect the balance of parties across Parliament?", _entries(page))
+    assert TURNED_ROUND_WHY not in {s["why"] for s in answer.set_aside}, answer.set_aside
 
 
 def test_a_quote_that_holds_its_entry_or_stands_under_none_names_no_entry() -> None:

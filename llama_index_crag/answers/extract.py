@@ -561,6 +561,30 @@ class SetAside(NamedTuple):
 OTHER_ENTRY = "other_entry"
 NO_DEFAULT = "no_default"
 NO_FILE = "no_file"
+TURNED_ROUND = "turned_round"
+TURNED_ROUND_WHY = (
+    "it turns the question round (states what a negated question asks against), where a strip with as many of its "
+    "words does not"
+)
+_TURNED = ANSWER_FEATURES.index("turned_round")
+_SENTENCE_COVERAGE = ANSWER_FEATURES.index("sentence_coverage")
+
+
+def turned_against(features: np.ndarray) -> List[int]:
+    """The candidates (rows of their ``ANSWER_FEATURES``) that turn the question round where another holding at
+    least as many of the question's words does not: of "The default GIN operator class supports the key-exists
+    operators" and "The non-default class jsonb_path_ops does not support the key-exists operators", only the
+    second answers "Which class cannot serve the key-exists operator?", though the answer model, which learned
+    from questions whose answers seldom repeat their negation, ranks the first higher. Where no strip keeps the
+    question's way round, none is set aside: the network weighs ``turned_round`` with the rest."""
+    rows = np.asarray(features, dtype=np.float64)
+    if not len(rows):
+        return []
+    kept = rows[:, _TURNED] == 0.0
+    if not kept.any() or kept.all():
+        return []
+    best_kept = float(rows[kept, _SENTENCE_COVERAGE].max())
+    return [i for i in np.flatnonzero(~kept).tolist() if rows[i, _SENTENCE_COVERAGE] <= best_kept + 1e-9]
 
 
 def set_aside_why(question: str, candidate: Candidate) -> Optional[SetAside]:
@@ -663,6 +687,8 @@ class EvidenceQuoter:
         ranked = sorted(range(len(found)), key=lambda i: -order[i])
         ranked = [i for i in ranked if not any(rule(question, found[i][0].text) for rule in self.rules)]
         why = {i: set_aside_why(question, found[i][0]) for i in ranked}
+        for i in turned_against(features):
+            why[i] = why.get(i) or SetAside(TURNED_ROUND, TURNED_ROUND_WHY)
         set_aside = [{"text": found[i][4], "why": w.why} for i, w in why.items() if w][:3]
         elsewhere = list(asked_identifiers(question)) if any(w and w.kind == OTHER_ENTRY for w in why.values()) else []
         ranked = [i for i in ranked if not why[i]]

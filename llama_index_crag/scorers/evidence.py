@@ -248,15 +248,17 @@ class EvidenceScorer(RelevanceScorer):
             view = _passage(text)
             words = self._found(view.words, view.tokens, expandable, misspelt)
             coverage = sum(w for t, w in weight.items() if t in words) / total
-            best_sentence, best = text, -1.0
+            best_sentence, best, tied = text, -1.0, []
             for sentence, sentence_words, sentence_tokens in view.sentences:
                 sentence_words = self._found(sentence_words, sentence_tokens, expandable, misspelt)
                 found = sum(w for t, w in weight.items() if t in sentence_words) / total
-                if found > best:
-                    best_sentence, best = sentence, found
+                if found > best + _TIE:
+                    best_sentence, best, tied = sentence, found, [sentence]
+                elif found >= best - _TIE:
+                    tied.append(sentence)
             bigrams = len(q_bigrams & view.bigrams) / len(q_bigrams) if q_bigrams else 0.0
             rare_cov = len(rare & words) / len(rare) if rare else coverage
-            reasons.append(turned_round(query, best_sentence, text))
+            reasons.append(turned_round_by_all(query, tied or [best_sentence], text))
             rows.append(
                 [
                     cosine,
@@ -391,6 +393,25 @@ class _Passage:
 #: Passages whose words are kept between calls: the ones retrieval keeps returning. About 40 KB each for a
 #: 250-word abstract (measured on SciFact), so this bounds the cache near 160 MB.
 PASSAGE_CACHE_SIZE = 4096
+
+
+#: Two shares of the query's words closer than this are the same share.
+_TIE = 1e-9
+
+
+def turned_round_by_all(query: str, best_sentences: Sequence[str], passage: str) -> Optional[str]:
+    """What turns the question round in ``passage`` (``turned_round``) when each of its sentences holding the most
+    of the question's words does, else None. A long passage often has two such sentences ("The default GIN operator
+    class for jsonb supports the key-exists operators", "The non-default class jsonb_path_ops does not support the
+    key-exists operators"): the first alone says nothing of whether the passage answers "Which class cannot serve
+    the key-exists operator?"."""
+    first: Optional[str] = None
+    for sentence in best_sentences:
+        reason = turned_round(query, sentence, passage)
+        if reason is None:
+            return None
+        first = first or reason
+    return first
 
 
 @lru_cache(maxsize=PASSAGE_CACHE_SIZE)
