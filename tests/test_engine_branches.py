@@ -9,7 +9,7 @@ import pytest
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts import PromptTemplate
-from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llama_index_crag import CorrectiveQueryEngine, FallbackRetriever
 from llama_index_crag.deadline import step_deadline
@@ -375,3 +375,66 @@ def test_constructor_argument_beats_the_environment(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("CRAG_ENABLED", "false")
     engine = make_engine(MarkerScorer({}), ScriptedLLM(), enabled=True)
     assert engine.settings.enabled is True
+
+
+_MAPS = TextNode(
+    id_="maps",
+    text=(
+        "Rind name maps let a cellar use an outside ledger. In this case, a rind name map can be applied to map the "
+        "ledger name to a cheesemaker. The maps are kept in the ledger map file, which by default is named "
+        "rind_ident.conf."
+    ),
+)
+_MAPS_NO_FILE = TextNode(
+    id_="maps-no-file",
+    text=(
+        "Rind name maps let a cellar use an outside ledger. In this case, a rind name map can be applied to map the "
+        "ledger name to a cheesemaker. The maps are read again when the cellar reloads."
+    ),
+)
+
+
+def _maps_engine(scripted_llm: ScriptedLLM, page: TextNode) -> CorrectiveQueryEngine:
+    # The refiner keeps the strips that say "rind name map" and drops the one that names the file.
+    scorer = MarkerScorer({"rind name map": 0.5})
+    return make_engine(
+        scorer, scripted_llm, primary=[page], strip_min_tokens=4, answer_mode="extract", quote_threshold=0.0
+    )
+
+
+def test_when_every_kept_strip_is_set_aside_the_graded_passages_are_read_whole(scripted_llm: ScriptedLLM) -> None:
+    response = _maps_engine(scripted_llm, _MAPS).query("Which file maps ledger names to cheesemakers?")
+    trace = crag(response)
+    assert trace["action"] == "ambiguous" and trace["strips_kept"] == 2, trace["strips"]
+    assert not trace["abstained"], trace["abstain_reason"]
+    assert "rind_ident.conf" in str(response) and trace["quote_check"]["whole_passages"] is True
+    assert [n.node.node_id for n in response.source_nodes] == ["maps"]
+    assert scripted_llm.calls == {"answer": 0, "rewrite": 0}
+
+
+def test_a_whole_passage_that_names_no_file_either_leaves_the_abstention_as_it_was(scripted_llm: ScriptedLLM) -> None:
+    response = _maps_engine(scripted_llm, _MAPS_NO_FILE).query("Which file maps ledger names to cheesemakers?")
+    trace = crag(response)
+    assert trace["abstained"] and "it names no file" in trace["abstain_reason"], trace["abstain_reason"]
+    assert "whole_passages" not in trace["quote_check"] and trace["quotes"] == []
+    # The set-aside strips are the refiner's two, as the first reading found them.
+    assert len(trace["quote_check"]["set_aside"]) == 2, trace["quote_check"]
+
+
+def test_a_question_about_a_default_is_not_read_past_the_refiner(scripted_llm: ScriptedLLM) -> None:
+    # Every entry of a reference page states a default: read whole, the page offers another one's.
+    page = TextNode(
+        id_="press",
+        text=(
+            "The press waits while a wheel settles, checking it between turns. "
+            "Waiting is the default for the start and stop modes of the cellar."
+        ),
+    )
+    scorer = MarkerScorer({"the press waits": 0.5})
+    engine = make_engine(
+        scorer, scripted_llm, primary=[page], strip_min_tokens=4, answer_mode="extract", quote_threshold=0.0
+    )
+    trace = crag(engine.query("How long does the press wait for a wheel by default?"))
+    assert trace["action"] == "ambiguous" and trace["strips_kept"] == 1, trace["strips"]
+    assert trace["abstained"] and "it states no default" in trace["abstain_reason"], trace["abstain_reason"]
+    assert "whole_passages" not in trace["quote_check"]

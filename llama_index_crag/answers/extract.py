@@ -26,7 +26,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 from llama_index.core.schema import NodeWithScore
@@ -483,6 +483,7 @@ class QuotedAnswer:
     unnamed: List[str] = field(default_factory=list)
     set_aside: List[Dict[str, str]] = field(default_factory=list)
     elsewhere: List[str] = field(default_factory=list)
+    set_aside_kinds: List[str] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -491,6 +492,12 @@ class QuotedAnswer:
             return ""
         lines = [f'"{q.text}" ({q.cited})' for q in self.quotes]
         return "\n".join([QUOTED_HEADER, *lines])
+
+    @property
+    def all_set_aside_for(self) -> FrozenSet[str]:
+        """When nothing was quoted because every strip that could answer was set aside, the kinds of why
+        (``SetAside.kind``); else empty."""
+        return frozenset(self.set_aside_kinds) if not self.quotes and not self.withheld else frozenset()
 
     def why_withheld(self) -> str:
         """Why the best strip was withheld, as the trace says it: the identifiers no passage names, else its
@@ -552,7 +559,8 @@ _HEADING_MARKS = re.compile(r"^[ \t]*#{1,6}[ \t]+")
 class SetAside(NamedTuple):
     """Why a strip cannot answer a question whatever its probability: ``kind`` (``OTHER_ENTRY``: it stands in
     another identifier's entry; ``NO_DEFAULT``: the question asks for a default it does not state; ``NO_FILE``: for
-    a file it does not name) and ``why``, the reason as the trace gives it."""
+    a file it does not name; ``TURNED_ROUND``: it turns a negated question round where another strip does not,
+    ``turned_against``) and ``why``, the reason as the trace gives it."""
 
     kind: str
     why: str
@@ -690,10 +698,18 @@ class EvidenceQuoter:
         for i in turned_against(features):
             why[i] = why.get(i) or SetAside(TURNED_ROUND, TURNED_ROUND_WHY)
         set_aside = [{"text": found[i][4], "why": w.why} for i, w in why.items() if w][:3]
+        kinds = sorted({w.kind for w in why.values() if w})
         elsewhere = list(asked_identifiers(question)) if any(w and w.kind == OTHER_ENTRY for w in why.values()) else []
         ranked = [i for i in ranked if not why[i]]
         if not ranked:
-            return QuotedAnswer([], threshold=threshold, evidence=evidence, set_aside=set_aside, elsewhere=elsewhere)
+            return QuotedAnswer(
+                [],
+                threshold=threshold,
+                evidence=evidence,
+                set_aside=set_aside,
+                elsewhere=elsewhere,
+                set_aside_kinds=kinds,
+            )
         seen: set[str] = set()
         chosen: List[int] = []
         for i in ranked:  # the ranker orders the strips; each quoted one must pass the threshold itself

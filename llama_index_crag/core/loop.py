@@ -70,7 +70,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.response_synthesizers import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llama_index_crag.answers.extract import EvidenceQuoter, QuotedAnswer, evidence_place, shown_value
+from llama_index_crag.answers.extract import NO_FILE, EvidenceQuoter, QuotedAnswer, evidence_place, shown_value
 from llama_index_crag.answers.grounding import AnswerCheck, GroundednessChecker
 from llama_index_crag.answers.keywords import keyword_query
 from llama_index_crag.answers.policy import outcome_of
@@ -104,6 +104,8 @@ class Correction:
     query_bundle: QueryBundle
     nodes: List[NodeWithScore]
     trace: CragTrace
+    #: AMBIGUOUS: the graded passages the refiner cut ``nodes`` from, read whole when every kept strip is set aside.
+    unrefined: List[NodeWithScore] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,7 @@ class Loop:
             nodes = yield from self._postprocess(nodes, query_bundle, None)
 
         context: List[NodeWithScore] = nodes
+        unrefined: List[NodeWithScore] = []
         if s.enabled:
             grading = yield from step(
                 trace, "grade", io(self.grader.grade, self.grader.agrade, query_bundle, nodes), candidates=len(nodes)
@@ -277,11 +280,12 @@ class Loop:
                 context = not_incorrect(nodes, grading)
             elif grading.verdict is Verdict.AMBIGUOUS:
                 context = yield from self.refine(query_bundle, nodes, grading, trace)
+                unrefined = not_incorrect(nodes, grading) or nodes
             else:
                 context = yield from self.fall_back(query_bundle, trace)
         if not context and not trace.abstained:
             trace.abstain("no candidate passage survived retrieval and grading")
-        return Correction(query_bundle, [] if trace.abstained else context, trace)
+        return Correction(query_bundle, [] if trace.abstained else context, trace, unrefined)
 
     def refine(
         self, query_bundle: QueryBundle, nodes: List[NodeWithScore], grading: Grading, trace: CragTrace
@@ -453,6 +457,8 @@ class Loop:
                 CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: query_bundle.query_str}
             ) as synthesize:
                 quoted, grade = (yield from self.quote(query_bundle, context, trace)), None
+                if quoted.all_set_aside_for == {NO_FILE} and correction.unrefined and trace.strips_kept:
+                    context, quoted = yield from self.quote_whole(query_bundle, context, quoted, correction, trace)
                 if not quoted.quotes and quoted.elsewhere and self.fallback is not None:
                     found = yield from self.search_entry(query_bundle, quoted.elsewhere, trace)
                     if found:
@@ -489,6 +495,26 @@ class Loop:
             _say_broadened(response, trace.broadened)
         dispatcher.event(trace.action_event())
         return response
+
+    def quote_whole(
+        self,
+        query_bundle: QueryBundle,
+        context: List[NodeWithScore],
+        quoted: QuotedAnswer,
+        correction: Correction,
+        trace: CragTrace,
+    ) -> Steps[Tuple[List[NodeWithScore], QuotedAnswer]]:
+        """Every strip the refiner kept was set aside for naming no file where the question asks which file: the
+        refiner scores a strip by the question's words, and the sentence that names the file ("... the ident map
+        file, which by default is named pg_ident.conf") shares few of them. Read the graded passages whole, under the
+        same threshold and rules; when that quotes nothing either, the first reading stands. Not for a default: every
+        entry of a reference page states its own, and read whole, the passages offered another setting's."""
+        whole = yield from self.quote(query_bundle, correction.unrefined, trace)
+        if whole.quotes:
+            trace.quote_check = {**(trace.quote_check or {}), "whole_passages": True}
+            return correction.unrefined, whole
+        trace.quotes, trace.quote_check = quoted.to_list(), quoted.check()
+        return context, quoted
 
     def search_entry(self, query_bundle: QueryBundle, names: List[str], trace: CragTrace) -> Steps[List[NodeWithScore]]:
         """Every strip that could answer stood in another identifier's entry: the passages retrieved are the asked
