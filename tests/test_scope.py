@@ -606,3 +606,42 @@ def test_parts_found_by_the_llm_rewrite_stay_inside_the_scope(tenants_index: Vec
         assert crag["split"]["by"] == "rewrite" and len(crag["parts"]) == 2
         assert _leaks(_readable(response)) == []
         assert "Kestrel VPN" in crag["parts"][0]["answer"]
+
+
+class FileMaps(RelevanceScorer):
+    """Grades globex's text relevant (0.95, so that a leaky path would quote it), a strip or passage that says
+    "ledger name map" ambiguous (0.5), everything else irrelevant: the refiner keeps acme's strips that name no
+    file and drops the one that does."""
+
+    name = "file-maps"
+
+    def score_texts(self, query: str, texts: Sequence[str]) -> List[float]:
+        return [0.95 if "globex" in t.lower() else 0.5 if "ledger name map" in t.lower() else 0.05 for t in texts]
+
+
+def test_a_file_question_read_past_the_refiner_reads_only_the_callers_passages(embed_model: Any) -> None:
+    documents = [
+        Document(
+            text=(
+                "Acme lets a cellar use an outside ledger. A ledger name map can be applied to map a ledger name to "
+                "an Acme cheesemaker. The maps are kept in the cellar map file, which is named acme_ident.conf."
+            ),
+            metadata={"tenant": "acme"},
+        ),
+        Document(
+            text="Globex keeps every ledger name map of the Zephyrine portal in the file named zephyrine_maps.conf.",
+            metadata={"tenant": "globex"},
+        ),
+    ]
+    index = VectorStoreIndex.from_documents(documents, embed_model=embed_model)
+    question = "Which file holds the ledger name maps?"
+    settings: Dict[str, Any] = {"scorer": FileMaps(), "upper": 0.7, "lower": 0.3, "strip_min_tokens": 4}
+    settings.update(answer_mode="extract", quote_threshold=0.0, llm=GreedyRewrite())
+    scoped = CorrectiveQueryEngine.from_defaults(index=index, filters={"tenant": "acme"}, **settings)
+    for response in (scoped.query(question), asyncio.run(scoped.aquery(question))):
+        trace = response.metadata["crag"]
+        assert trace["action"] == "ambiguous" and trace["quote_check"]["whole_passages"] is True, trace
+        assert "acme_ident.conf" in str(response) and _leaks(_readable(response)) == [], _readable(response)
+    # Unbounded, the same question reads globex's page: the check above can tell.
+    unbounded = CorrectiveQueryEngine.from_defaults(index=index, **settings).query(question)
+    assert _leaks(_readable(unbounded)) != []
