@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
+from llama_index.core import StorageContext
 
 from llama_index_crag import load_folder
 from llama_index_crag.cli import main
@@ -416,6 +417,44 @@ def test_reingest_updates_the_changed_file_and_keeps_one_that_turned_unreadable(
     assert (again.added, again.updated, again.removed, again.kept, again.unchanged) == ([], [], [], [], 3)
     docx.unlink()  # gone for good: removed
     assert ingest(docs, out, embed_model=embed_model, warm_fallback=False).removed == ["handbook.docx"]
+
+
+def test_an_ingest_that_dies_while_writing_leaves_the_last_index_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], embed_model: Any
+) -> None:
+    docs, out = tmp_path / "docs", tmp_path / "index"
+    docs.mkdir()
+    notes = write_markdown(docs / "notes.md")
+    ingest(docs, out, embed_model=embed_model, warm_fallback=False)
+    notes.write_text(notes.read_text().replace("eight months", "nine months"))
+    persist = StorageContext.persist
+
+    def disk_fills(self: StorageContext, persist_dir: str, *args: Any, **kwargs: Any) -> None:
+        persist(self, persist_dir, *args, **kwargs)
+        docstore = Path(persist_dir) / "docstore.json"
+        docstore.write_text(docstore.read_text()[:100])  # the disk filled while the docstore was written
+        raise OSError(28, "No space left on device", str(docstore))
+
+    monkeypatch.setattr(StorageContext, "persist", disk_fills)
+    assert main(["ingest", str(docs), "--out", str(out), "--no-warm"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    monkeypatch.undo()
+    # The last ingest's index loads whole, and the next ingest makes the update the failed one could not.
+    assert any("eight months" in n.get_content() for n in load_index(out, embed_model).nodes)
+    assert ingest(docs, out, embed_model=embed_model, warm_fallback=False).updated == ["notes.md"]
+    assert any("nine months" in n.get_content() for n in load_index(out, embed_model).nodes)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("storage")) == ["storage"]
+
+
+def test_a_reader_finds_the_last_index_while_an_ingest_puts_its_own_in_place(tmp_path: Path, embed_model: Any) -> None:
+    docs, out = tmp_path / "docs", tmp_path / "index"
+    docs.mkdir()
+    write_markdown(docs / "notes.md")
+    ingest(docs, out, embed_model=embed_model, warm_fallback=False)
+    (out / "storage").rename(out / "storage.before")  # the moment between moving the last stores and the new
+    assert any("eight months" in n.get_content() for n in load_index(out, embed_model).nodes)
+    assert ingest(docs, out, embed_model=embed_model, warm_fallback=False).unchanged == 1
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("storage")) == ["storage"]
 
 
 def test_a_linked_folder_is_read_once_and_its_loop_is_not_followed(tmp_path: Path) -> None:

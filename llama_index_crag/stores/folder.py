@@ -415,7 +415,7 @@ def ingest(
                 f"{described(given)}: documents that change with it are updated"
             )
         index = load_index_from_storage(
-            StorageContext.from_defaults(persist_dir=str(index_dir / STORAGE)),
+            StorageContext.from_defaults(persist_dir=str(_storage(index_dir))),
             embed_model=embedder,
             transformations=transformations,
         )
@@ -461,7 +461,7 @@ def ingest(
         with counted.counting("Embedding chunks", _distinct(nodes), "chunk", progress, exact=fresh):
             _add_nodes(index, nodes, embedder)
         report.added = [d.id_ for d in documents]
-    index.storage_context.persist(persist_dir=str(index_dir / STORAGE))
+    _persist(index, index_dir)
     nodes = list(index.docstore.docs.values())
     report.nodes = len(nodes)
 
@@ -699,11 +699,36 @@ def load_index(index_dir: Path | str, embed_model: Optional[BaseEmbedding] = Non
             f"{index_dir} was embedded with {manifest['embed_model']}, not {embedder.model_name}: ingest it again"
         )
     index = load_index_from_storage(
-        StorageContext.from_defaults(persist_dir=str(index_dir / STORAGE)), embed_model=embedder
+        StorageContext.from_defaults(persist_dir=str(_storage(index_dir))), embed_model=embedder
     )
     if not isinstance(index, VectorStoreIndex):
         raise IndexFolderError(f"{index_dir} holds a {type(index).__name__}, not a vector index: ingest it again")
     return LoadedIndex(index_dir, index, list(index.docstore.docs.values()), embedder, manifest)
+
+
+def _persist(index: VectorStoreIndex, index_dir: Path) -> None:
+    """Write ``index``'s stores beside the folder's and then put them in its place, so that an ingest that dies
+    while writing (killed, a full disk) leaves the last one's index whole, and a reader never opens half-written
+    files. LlamaIndex writes each store's JSON in place; the docstore of 74 manual pages is tens of megabytes."""
+    target, partial, before = index_dir / STORAGE, index_dir / _PARTIAL, index_dir / _BEFORE
+    shutil.rmtree(partial, ignore_errors=True)
+    index.storage_context.persist(persist_dir=str(partial))
+    shutil.rmtree(before, ignore_errors=True)
+    if target.exists():
+        target.rename(before)
+    partial.rename(target)  # between the two renames a reader finds the last index in ``before`` (``_storage``)
+    shutil.rmtree(before, ignore_errors=True)
+
+
+#: Where ``_persist`` writes the new stores, and where it moves the last ones while it puts the new ones in place.
+_PARTIAL, _BEFORE = f"{STORAGE}.partial", f"{STORAGE}.before"
+
+
+def _storage(index_dir: Path) -> Path:
+    """The folder's stores: ``storage/``, or the last ingest's while one moves its own into place (or died
+    doing so)."""
+    target, before = index_dir / STORAGE, index_dir / _BEFORE
+    return before if not target.exists() and before.exists() else target
 
 
 def _write_json(path: Path, data: Any) -> None:
