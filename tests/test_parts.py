@@ -227,6 +227,20 @@ def test_a_sentence_with_abbreviations_is_one_strip(text: str) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The default class supports the key-exists operators ?, ?| and ?&, and the match operators @? and @@.",
+        "Because the operator ? is indexable, the planner can use the index for it.",
+        "The prompt shows * in single-line mode, or ! if the session is in a failed transaction block.",
+        '"Why?" he asked the cellar master, who did not answer.',
+    ],
+)
+def test_a_question_or_exclamation_mark_that_a_lower_case_word_follows_ends_no_sentence(text: str) -> None:
+    # Punkt ends a sentence at every "?" and "!": a manual's operators and prompts were cut out of theirs.
+    assert [s.strip() for s in split_sentences(f"{text} Is that all? Yes.")] == [text, "Is that all?", "Yes."]
+
+
 def test_sentences_are_the_text_in_consecutive_slices() -> None:
     text = "The answer was no. Then he left.  Regiments No. 13 fought. Mt. Everest is high."
     sentences = split_sentences(text)

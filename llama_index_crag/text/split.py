@@ -18,6 +18,12 @@ _MORE_ABBREVIATIONS = frozenset(
 )
 #: A numbered item's "No." or "Nos." ending a split, before the number that opens the next ("Regiments No. 13").
 _NUMBER_SIGN = re.compile(r"\bNos?\.\s*$")
+#: A question or exclamation mark ending a split (a closing quote or bracket after it), and a split that goes on
+#: in lower case: the mark ended no sentence. Punkt ends one at every "?" and "!", but a manual writes them as
+#: operators and prompts ("the key-exists operator ? is indexable", "@? and @@", "or ! when in a failed
+#: transaction"), and prose quotes a question in a sentence ('"Why?" he asked').
+_MARK_ENDS = re.compile(r"[?!][\"'”’)\]]*\s*$")
+_GOES_ON = re.compile(r"[a-z]")
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,10 +49,14 @@ def _sentence_tokenizer() -> Any:
 def split_sentences(text: str) -> List[str]:
     """``text`` in sentences: consecutive slices, each running to where the next begins (so together they are the
     text from its first sentence on, spaces kept), as LlamaIndex's splitter cuts them, with abbreviations known
-    (``_sentence_tokenizer``) and a numbered item's "No." kept with its number."""
+    (``_sentence_tokenizer``), a numbered item's "No." kept with its number, and a "?" or "!" that a lower-case word
+    follows kept inside its sentence."""
     sentences: List[str] = []
     for sentence in split_by_sentence_tokenizer_internal(text, _sentence_tokenizer()):
-        if sentences and sentence[:1].isdigit() and _NUMBER_SIGN.search(sentences[-1]):
+        if sentences and (
+            (sentence[:1].isdigit() and _NUMBER_SIGN.search(sentences[-1]))
+            or (_GOES_ON.match(sentence) and _MARK_ENDS.search(sentences[-1]))
+        ):
             sentences[-1] += sentence
         else:
             sentences.append(sentence)
