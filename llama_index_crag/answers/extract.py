@@ -696,7 +696,8 @@ class EvidenceQuoter:
         ranked = [i for i in ranked if not any(rule(question, found[i][0].text) for rule in self.rules)]
         why = {i: set_aside_why(question, found[i][0]) for i in ranked}
         for i in turned_against(features):
-            why[i] = why.get(i) or SetAside(TURNED_ROUND, TURNED_ROUND_WHY)
+            if i in why:  # a strip a preset's rule left out stays out, and is not listed as set aside
+                why[i] = why[i] or SetAside(TURNED_ROUND, TURNED_ROUND_WHY)
         set_aside = [{"text": found[i][4], "why": w.why} for i, w in why.items() if w][:3]
         kinds = sorted({w.kind for w in why.values() if w})
         elsewhere = list(asked_identifiers(question)) if any(w and w.kind == OTHER_ENTRY for w in why.values()) else []

@@ -104,7 +104,8 @@ class Correction:
     query_bundle: QueryBundle
     nodes: List[NodeWithScore]
     trace: CragTrace
-    #: AMBIGUOUS: the graded passages the refiner cut ``nodes`` from, read whole when every kept strip is set aside.
+    #: AMBIGUOUS: the graded passages the refiner cut ``nodes`` from, read whole when every kept strip was set aside
+    #: for naming no file (``Loop.quote_whole``).
     unrefined: List[NodeWithScore] = field(default_factory=list)
 
 
